@@ -1,0 +1,6 @@
+"""Typed job configuration: schema (dataclasses) and loading (TOML + command line)."""
+
+from config.loader import ConfigError, config_to_toml, help_text, parse_args, validate
+from config.schema import JobConfig
+
+__all__ = ["ConfigError", "JobConfig", "config_to_toml", "help_text", "parse_args", "validate"]

@@ -1,0 +1,186 @@
+"""The typed configuration schema: one dataclass per TOML section.
+
+Every option is declared with `opt(default, help, ...)`, which records its one-line help and
+its allowed range; `config.loader` reads these to parse TOML and command-line overrides,
+validate them and print `--help`. Names follow torchtitan's TOML where the same setting exists
+there, so configs carry over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+def opt(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
+        le: float | None = None) -> Any:
+    """Declares one config option with its help text and optional numeric bounds."""
+    meta = {"help": help, "ge": ge, "gt": gt, "le": le}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class Job:
+    config_file: str = opt("", "TOML preset that was loaded (set by --config)")
+    dump_folder: str = opt("./outputs", "Output folder: resolved config, logs, metrics, TB")
+    description: str = opt("", "Free-text description of the run, logged at start")
+    dry_run: bool = opt(False, "Build the model on the meta device, report its size and exit")
+
+
+@dataclass
+class Model:
+    name: str = opt("llama3", "Model family, a key of the registry in models/__init__.py")
+    flavor: str = opt("debugmodel", "Model size, a key of the family's flavors")
+    tokenizer_path: str = opt("", "Tokenizer file (tiktoken BPE or sentencepiece); '' = the "
+                              "bundled sample tokenizer, built on first use")
+
+
+@dataclass
+class Optimizer:
+    name: Literal["AdamW", "Adam"] = opt("AdamW", "Optimizer")
+    lr: float = opt(8e-4, "Peak learning rate", gt=0)
+    beta1: float = opt(0.9, "Adam beta1", ge=0, le=1)
+    beta2: float = opt(0.95, "Adam beta2", ge=0, le=1)
+    eps: float = opt(1e-8, "Adam epsilon", gt=0)
+    weight_decay: float = opt(0.1, "Decoupled weight decay", ge=0)
+    no_decay_patterns: list[str] = opt(
+        ["norm", "tok_embeddings"],
+        "Parameters whose name contains one of these get no weight decay",
+    )
+    implementation: Literal["auto", "fused", "foreach", "for-loop"] = opt(
+        "auto", "AdamW kernel: auto = fused on CUDA, foreach on CPU"
+    )
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = opt(200, "Linear warmup steps from ~0 to the peak LR", ge=0)
+    decay_ratio: float | None = opt(
+        None, "Fraction of steps spent decaying at the end (None = all steps after warmup)",
+        ge=0, le=1,
+    )
+    decay_type: Literal["linear", "sqrt", "cosine", "constant"] = opt(
+        "linear", "Shape of the decay after warmup"
+    )
+    min_lr_factor: float = opt(0.0, "Final LR as a fraction of the peak LR", ge=0, le=1)
+
+
+@dataclass
+class Training:
+    dataset: str = opt("sample", "Data source: sample (bundled corpus), text, jsonl, parquet, "
+                       "huggingface")
+    dataset_path: str = opt("", "File, glob or folder (text/jsonl/parquet) or HF dataset name")
+    dataset_text_field: str = opt("text", "Field holding the text in jsonl/parquet/HF records")
+    local_batch_size: int = opt(8, "Sequences per rank per micro-step", ge=1)
+    global_batch_size: int = opt(
+        -1, "Sequences per optimizer step over all ranks (-1 = local_batch_size x DP degree); "
+        "a multiple of local_batch_size x DP degree enables gradient accumulation", ge=-1
+    )
+    seq_len: int = opt(2048, "Tokens per sequence", ge=2)
+    steps: int = opt(10000, "Optimizer steps to train", ge=1)
+    max_norm: float = opt(1.0, "Clip gradients to this global L2 norm (0 = no clipping)", ge=0)
+    mixed_precision_param: Literal["auto", "bfloat16", "float32"] = opt(
+        "auto", "Compute/parameter dtype under FSDP: auto = bfloat16 on CUDA, float32 on CPU"
+    )
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = opt(
+        "float32", "Gradient reduction dtype under FSDP"
+    )
+    device: Literal["auto", "cuda", "cpu"] = opt("auto", "auto = CUDA when present, else CPU")
+    enable_cpu_offload: bool = opt(False, "Keep FSDP parameters/grads/optimizer state on host")
+    data_num_workers: int = opt(0, "Background worker processes for data loading", ge=0)
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = opt(1, "HSDP replica groups (DDP across them)", ge=1)
+    data_parallel_shard_degree: int = opt(-1, "FSDP shard group size (-1 = whatever is left)",
+                                          ge=-1)
+    tensor_parallel_degree: int = opt(1, "Tensor-parallel degree", ge=1)
+    context_parallel_degree: int = opt(1, "Context-parallel degree (reserved: must be 1)", ge=1)
+    pipeline_parallel_degree: int = opt(1, "Pipeline-parallel degree", ge=1)
+    zero_stage: int = opt(3, "ZeRO stage for data parallelism: 0 DDP, 1 optimizer state "
+                          "sharded, 2 + gradients, 3 + parameters (FSDP2)", ge=0, le=3)
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = opt(
+        "default", "Free gathered parameters after forward (default: yes except the root/PP)"
+    )
+    disable_loss_parallel: bool = opt(False, "Gather full-vocabulary logits under TP")
+    pipeline_parallel_schedule: str = opt("1F1B", "PP schedule name")
+    pipeline_parallel_microbatch_size: int = opt(1, "Sequences per pipeline microbatch", ge=1)
+    pipeline_parallel_layers_per_stage: int = opt(
+        -1, "Transformer layers per (virtual) stage (-1 = split evenly)", ge=-1
+    )
+    pipeline_parallel_split_points: list[str] = opt(
+        [], "Module names starting each stage after the first, e.g. ['layers.4']"
+    )
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = opt(False, "Save checkpoints and resume from the latest one")
+    folder: str = opt("checkpoint", "Checkpoint folder, relative to job.dump_folder")
+    interval: int = opt(500, "Save every this many steps (and at the last step)", ge=1)
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "full", "selective"] = opt("none", "Activation checkpointing mode")
+    selective_ac_option: str = opt("2", "selective: 'op' (per-op policy) or N (every N-th block)")
+
+
+@dataclass
+class Compile:
+    enable: bool = opt(False, "torch.compile each transformer block and the loss")
+    components: list[str] = opt(["model", "loss"], "What to compile: model, loss")
+
+
+@dataclass
+class Metrics:
+    log_freq: int = opt(10, "Log metrics every this many steps", ge=1)
+    enable_tensorboard: bool = opt(True, "Write TensorBoard event files")
+    save_tb_folder: str = opt("tb", "TensorBoard folder, relative to job.dump_folder")
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = opt(False, "Record torch.profiler traces (not yet implemented)")
+
+
+@dataclass
+class Validation:
+    enable: bool = opt(False, "Evaluate on the held-out split during training")
+    dataset: str = opt("", "Validation data source ('' = validation split of training.dataset)")
+    dataset_path: str = opt("", "Validation file/glob/folder or HF name ('' = as training)")
+    freq: int = opt(100, "Validate every this many steps", ge=1)
+    steps: int = opt(-1, "Validation batches per evaluation (-1 = the whole split)", ge=-1)
+
+
+@dataclass
+class Comm:
+    init_timeout_seconds: int = opt(300, "Timeout for process-group setup", ge=1)
+    train_timeout_seconds: int = opt(300, "Timeout of collectives once training runs", ge=1)
+
+
+@dataclass
+class Debug:
+    seed: int = opt(42, "Random seed for weight init and dropout-free determinism", ge=0)
+    deterministic: bool = opt(False, "Use deterministic algorithms (bit-identical CPU reruns)")
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
+    validation: Validation = field(default_factory=Validation)
+    comm: Comm = field(default_factory=Comm)
+    debug: Debug = field(default_factory=Debug)

@@ -1,0 +1,272 @@
+"""The global stream of packed sequences, and readers that walk it from any position.
+
+Stream definition (the same for every source and every data-parallel layout):
+
+- documents are tokenised in source order as `[BOS] + tokens + [EOS]` (empty documents are
+  skipped) and concatenated into one token stream per epoch;
+- sequence `i` of an epoch is `stream[i*L : i*L + L + 1]` with `L = seq_len`; the model input is
+  its first `L` tokens and the labels its last `L`. Consecutive sequences overlap by exactly one
+  token (the last label of sequence i is the first input of sequence i+1), so every token after
+  the first is predicted exactly once per epoch. Trailing tokens that do not fill a sequence
+  are dropped;
+- epochs repeat the same stream; global sequence index `g` runs on across epochs.
+
+File sources are tokenised once into a flat token file in the cache (`tokens/<key>.bin`, uint16
+when the vocabulary fits, else uint32, plus `<key>.json` metadata; the key hashes the files'
+paths/sizes/mtimes, the text field and the tokenizer) that is memory-mapped, so sequence `g` is an
+O(1) slice. Streaming Hugging Face datasets are tokenised on the fly by every rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from data.cache import build_once
+from data.tokenizer import Tokenizer
+
+logger = logging.getLogger("meshtrain")
+
+_TOKEN_CACHE_VERSION = 1
+_ENCODE_BATCH = 256  # documents per tokenizer call while building a token file
+
+
+class EndOfEpoch(Exception):
+    """Raised by a finite reader when its single epoch is exhausted."""
+
+
+class SequenceReader(Protocol):
+    """A cursor over the global sequence stream."""
+
+    position: int  # global index of the next sequence
+
+    def advance(self, keep: bool) -> np.ndarray | None:
+        """Move past the next sequence, returning its L+1 tokens if `keep`."""
+        ...
+
+    def cursor(self) -> dict[str, Any]:
+        """Source-specific resume information for `position` (identical on all ranks)."""
+        ...
+
+
+class SequenceSource(Protocol):
+    """Something that can open readers over its global sequence stream."""
+
+    name: str
+    fingerprint: str
+    seq_len: int
+
+    def reader(self, position: int, cursor: dict[str, Any], infinite: bool) -> SequenceReader:
+        """A reader positioned at global sequence `position`."""
+        ...
+
+
+# ---------------------------------------------------------------------------- file sources
+
+
+def cached_token_file(
+    *,
+    documents: Callable[[], Iterable[str]],
+    identity: dict[str, Any],
+    tokenizer: Tokenizer,
+    cache_dir: str,
+    name: str,
+) -> tuple[np.ndarray, str]:
+    """Tokenise the documents into the cache once; return (memory-mapped tokens, cache key)."""
+    identity = {"version": _TOKEN_CACHE_VERSION, "tokenizer": tokenizer.fingerprint, **identity}
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
+    folder = Path(cache_dir) / "tokens"
+    meta_path, bin_path = folder / f"{key}.json", folder / f"{key}.bin"
+    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+
+    def build(temps: list[Path]) -> None:
+        logger.info("tokenising %s into %s (once; other ranks wait)", name, bin_path)
+        num_docs = num_tokens = 0
+        with open(temps[1], "wb") as out:
+            docs = (doc for doc in documents() if doc)
+            while batch := list(islice(docs, _ENCODE_BATCH)):
+                ids = tokenizer.encode_batch(batch, bos=True, eos=True)
+                out.write(np.concatenate([np.asarray(i, dtype=dtype) for i in ids]).tobytes())
+                num_docs += len(batch)
+                num_tokens += sum(len(i) for i in ids)
+        if num_tokens == 0:
+            raise ValueError(f"{name} contains no non-empty documents")
+        meta = {"dtype": np.dtype(dtype).name, "num_tokens": num_tokens, "num_docs": num_docs}
+        temps[0].write_text(json.dumps({**meta, "identity": identity}, indent=1))
+        logger.info("tokenised %s: %d documents, %d tokens", name, num_docs, num_tokens)
+
+    build_once([meta_path, bin_path], build)
+    meta = json.loads(meta_path.read_text())
+    tokens = np.memmap(bin_path, dtype=meta["dtype"], mode="r")
+    return tokens, key
+
+
+def file_identity(files: list[str]) -> list[list[Any]]:
+    """(path, size, mtime) of each file: cheap change detection for cache keys."""
+    return [[f, os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files]
+
+
+@dataclass
+class PackedTokens:
+    """A tokenised epoch held as one flat array; sequence i is an O(1) slice."""
+
+    tokens: np.ndarray
+    seq_len: int
+    name: str
+    fingerprint: str
+
+    def __post_init__(self) -> None:
+        self.num_sequences = (len(self.tokens) - 1) // self.seq_len
+        if self.num_sequences < 1:
+            raise ValueError(
+                f"{self.name} has only {len(self.tokens)} tokens, fewer than seq_len + 1 = "
+                f"{self.seq_len + 1}; use a smaller seq_len or more data"
+            )
+
+    def reader(self, position: int, cursor: dict[str, Any], infinite: bool) -> PackedReader:
+        """A reader at global sequence `position` (no cursor needed: access is random)."""
+        return PackedReader(self, position, infinite)
+
+
+class PackedReader:
+    """Walks the global stream of a PackedTokens, wrapping epochs if infinite."""
+
+    def __init__(self, packed: PackedTokens, position: int, infinite: bool) -> None:
+        self.packed, self.position, self.infinite = packed, position, infinite
+
+    def advance(self, keep: bool) -> np.ndarray | None:
+        """Move past global sequence `position`; raise EndOfEpoch after epoch 0 if finite."""
+        epoch, index = divmod(self.position, self.packed.num_sequences)
+        if epoch > 0 and not self.infinite:
+            raise EndOfEpoch
+        if index == 0 and epoch > 0:
+            logger.info("dataset %s: starting epoch %d", self.packed.name, epoch)
+        self.position += 1
+        if not keep:
+            return None
+        start = index * self.packed.seq_len
+        return self.packed.tokens[start : start + self.packed.seq_len + 1]
+
+    def cursor(self) -> dict[str, Any]:
+        """Epoch number, for information only (the position says everything)."""
+        return {"epoch": self.position // self.packed.num_sequences}
+
+
+# ----------------------------------------------------------------------- streaming sources
+
+
+@dataclass
+class StreamedTokens:
+    """A streamed document source packed on the fly (every rank tokenises every document)."""
+
+    open_documents: Callable[[int], Iterator[str]]  # iterator after skipping n documents
+    tokenizer: Tokenizer
+    seq_len: int
+    name: str
+    fingerprint: str
+
+    def reader(self, position: int, cursor: dict[str, Any], infinite: bool) -> StreamReader:
+        """A reader at `position`; `cursor` (from StreamReader.cursor) avoids re-tokenising."""
+        return StreamReader(self, position, cursor, infinite)
+
+
+class StreamReader:
+    """Packs a document stream into sequences, keeping a resumable cursor.
+
+    The cursor names the epoch, the global index where it started, and the document holding
+    the next sequence's first token (its index and epoch-relative token offset), so a resumed
+    reader skips straight to that document.
+    """
+
+    def __init__(
+        self, source: StreamedTokens, position: int, cursor: dict[str, Any], infinite: bool
+    ) -> None:
+        self.source, self.position, self.infinite = source, position, infinite
+        if cursor:
+            self.epoch, self.epoch_start = cursor["epoch"], cursor["epoch_start"]
+            doc, doc_start = cursor["doc_index"], cursor["doc_token_start"]
+        elif position == 0:
+            self.epoch, self.epoch_start, doc, doc_start = 0, 0, 0, 0
+        else:
+            raise ValueError(
+                f"resuming streamed dataset {source.name} at sequence {position} needs the "
+                "'cursor' saved with the loader state"
+            )
+        self._open(doc, doc_start)
+
+    def _open(self, doc: int, doc_start: int) -> None:
+        """Restart reading at document `doc`, whose first token has offset `doc_start`."""
+        self._docs = self.source.open_documents(doc)
+        self._next_doc, self._next_doc_start = doc, doc_start
+        self._buffer = np.zeros(0, dtype=np.int64)
+        self._buffer_start = doc_start  # epoch-relative offset of _buffer[0]
+        self._doc_starts: list[tuple[int, int]] = []  # (doc index, offset) of buffered docs
+
+    def _fill(self, end: int) -> bool:
+        """Read documents until the buffer reaches token offset `end`; False if exhausted."""
+        chunks = [self._buffer]
+        buffered_end = self._buffer_start + len(self._buffer)
+        while buffered_end < end:
+            text = next(self._docs, None)
+            if text is None:
+                self._buffer = np.concatenate(chunks)
+                return False
+            if text:
+                ids = self.source.tokenizer.encode(text, bos=True, eos=True)
+                self._doc_starts.append((self._next_doc, buffered_end))
+                chunks.append(np.asarray(ids, dtype=np.int64))
+                buffered_end += len(ids)
+            self._next_doc += 1
+        self._buffer = np.concatenate(chunks)
+        return True
+
+    def advance(self, keep: bool) -> np.ndarray | None:
+        """Move past global sequence `position`, wrapping (or ending) at the stream's end."""
+        seq_len = self.source.seq_len
+        start = (self.position - self.epoch_start) * seq_len
+        if not self._fill(start + seq_len + 1):
+            if not self.infinite:
+                raise EndOfEpoch
+            if self.position == self.epoch_start:
+                raise ValueError(
+                    f"{self.source.name} yields fewer than seq_len + 1 = {seq_len + 1} tokens "
+                    "per epoch; use a smaller seq_len or more data"
+                )
+            self.epoch, self.epoch_start = self.epoch + 1, self.position
+            logger.info("dataset %s: starting epoch %d", self.source.name, self.epoch)
+            self._open(0, 0)
+            return self.advance(keep)
+        offset = start - self._buffer_start
+        sequence = self._buffer[offset : offset + seq_len + 1].copy() if keep else None
+        self.position += 1
+        self._drop_before(start + seq_len)
+        return sequence
+
+    def _drop_before(self, offset: int) -> None:
+        """Forget tokens and documents wholly before epoch-relative token `offset`."""
+        self._buffer = self._buffer[offset - self._buffer_start :]
+        self._buffer_start = offset
+        while len(self._doc_starts) > 1 and self._doc_starts[1][1] <= offset:
+            self._doc_starts.pop(0)
+
+    def cursor(self) -> dict[str, Any]:
+        """Resume point for `position`: the document holding its first token."""
+        if self._doc_starts:
+            doc, doc_start = self._doc_starts[0]
+        else:  # nothing buffered: the next document to read starts the next sequence
+            doc, doc_start = self._next_doc, self._buffer_start + len(self._buffer)
+        return {
+            "epoch": self.epoch,
+            "epoch_start": self.epoch_start,
+            "doc_index": doc,
+            "doc_token_start": doc_start,
+        }

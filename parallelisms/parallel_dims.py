@@ -1,0 +1,132 @@
+"""Parallel degrees, their validation, and the one DeviceMesh every parallelism works on.
+
+Mesh dimensions, outermost first: "pp", "dp_replicate", "dp_shard", "tp" (size-1 dimensions
+are left out). Flattened views the rest of the system uses:
+  "dp"           = dp_replicate x dp_shard: data loading ranks and loss averaging
+  "dp_shard_tp"  = dp_shard x tp: where parameters are sharded (FSDP over TP-sharded params)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+logger = logging.getLogger("meshtrain")
+
+
+class ParallelismError(ValueError):
+    """An impossible layout, reported before any process-group work."""
+
+
+@dataclass
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+    world_size: int
+    zero_stage: int = 3
+    mesh: DeviceMesh | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_config(
+        cls, *, world_size: int, dp_replicate: int, dp_shard: int, tp: int, pp: int,
+        zero_stage: int = 3,
+    ) -> ParallelDims:
+        """Resolves dp_shard = -1 and checks that the degrees multiply to the world size."""
+        fixed = dp_replicate * tp * pp
+        if dp_shard == -1:
+            if world_size % fixed:
+                raise ParallelismError(
+                    f"World size {world_size} is not divisible by pipeline_parallel_degree "
+                    f"({pp}) x data_parallel_replicate_degree ({dp_replicate}) x "
+                    f"tensor_parallel_degree ({tp}) = {fixed}, so "
+                    "data_parallel_shard_degree = -1 cannot fill the rest. Change the degrees "
+                    "or the number of ranks."
+                )
+            dp_shard = world_size // fixed
+        product = fixed * dp_shard
+        if product != world_size:
+            raise ParallelismError(
+                f"Parallel degrees multiply to {product}, not the world size {world_size}: "
+                f"pipeline ({pp}) x data_parallel_replicate ({dp_replicate}) x "
+                f"data_parallel_shard ({dp_shard}) x tensor ({tp}) = {product}. Make the "
+                f"product {world_size}, or set data_parallel_shard_degree = -1."
+            )
+        if zero_stage < 3 and dp_replicate > 1:
+            raise ParallelismError(
+                f"parallelism.zero_stage = {zero_stage} with data_parallel_replicate_degree = "
+                f"{dp_replicate}: HSDP (replicate x shard) is ZeRO-3 only. Use "
+                "data_parallel_shard_degree for ZeRO-0/1/2, or zero_stage = 3."
+            )
+        return cls(dp_replicate, dp_shard, tp, pp, world_size, zero_stage)
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """One `init_device_mesh` call for all named dimensions, plus the flattened views."""
+        dims = [("pp", self.pp), ("dp_replicate", self.dp_replicate),
+                ("dp_shard", self.dp_shard), ("tp", self.tp)]
+        names = tuple(n for n, d in dims if d > 1) or ("dp_shard",)
+        shape = tuple(d for n, d in dims if d > 1) or (1,)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        dp_names = tuple(n for n in ("dp_replicate", "dp_shard") if n in names)
+        if len(dp_names) > 1:
+            mesh[dp_names]._flatten("dp")
+        shard_tp = tuple(n for n in ("dp_shard", "tp") if n in names)
+        if len(shard_tp) > 1:
+            mesh[shard_tp]._flatten("dp_shard_tp")
+        self.mesh = mesh
+        return mesh
+
+    def dim(self, name: str) -> DeviceMesh | None:
+        """The sub-mesh of a (possibly flattened) dimension, or None when it has size 1."""
+        assert self.mesh is not None, "call build_mesh() first"
+        alias = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_tp": ("dp_shard", "tp")}
+        present = self.mesh.mesh_dim_names or ()
+        if name in present:
+            return self.mesh[name]
+        parts = [p for p in alias.get(name, ()) if p in present]
+        if len(parts) == 1:
+            return self.mesh[parts[0]]
+        if len(parts) > 1:
+            return self.mesh[name]
+        return None
+
+    def coordinate(self, name: str) -> tuple[int, int]:
+        """(rank, size) of this process along a dimension; (0, 1) when the dimension is absent."""
+        sub = self.dim(name)
+        if sub is None:
+            return 0, 1
+        return sub.get_local_rank(), sub.size()
+
+    def describe(self) -> str:
+        parts = [f"{n}={getattr(self, n)}" for n in ("pp", "dp_replicate", "dp_shard", "tp")]
+        return f"world={self.world_size} " + " ".join(parts) + f" zero_stage={self.zero_stage}"
+
+
+def log_mesh(parallel_dims: ParallelDims) -> None:
+    """Logs the degrees once and this rank's coordinates along each dimension."""
+    mesh = parallel_dims.mesh
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    coords = {}
+    if mesh is not None and mesh.mesh_dim_names:
+        coords = {n: mesh[n].get_local_rank() for n in mesh.mesh_dim_names}
+    logger.info("mesh: %s | rank %d coordinates %s", parallel_dims.describe(), rank, coords)

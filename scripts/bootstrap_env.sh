@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Creates (once) the project's virtual environment in .venv with the pinned requirements.
+# Idempotent and quick when nothing changed: reinstalls only when requirements.txt changes.
+# Sourced by run_train.sh and run_tests.sh; set MESHTRAIN_VENV to use another location.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${MESHTRAIN_VENV:-$ROOT/.venv}"
+STAMP="$VENV/.requirements.sha256"
+WANT="$(sha256sum "$ROOT/requirements.txt" | cut -d' ' -f1)"
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[bootstrap] creating virtual environment in $VENV" >&2
+  python3 -m venv "$VENV"
+fi
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
+  echo "[bootstrap] installing pinned requirements (first run takes a few minutes)" >&2
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -r "$ROOT/requirements.txt"
+  echo "$WANT" > "$STAMP"
+fi
+export PATH="$VENV/bin:$PATH"

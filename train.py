@@ -1,0 +1,169 @@
+"""meshtrain entry point: `torchrun --nproc_per_node N train.py --config NAME [--section.key V]`.
+
+Order of construction: config -> parallel dims -> process group + mesh -> tokenizer + data ->
+model on meta -> (pipeline split) -> parallelize -> materialise + init -> optimizer + LR
+schedule -> checkpoint (resume) -> loop. The loop calls one step function whatever the layout.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from config import ConfigError, JobConfig, config_to_toml, help_text, parse_args
+from models import build_model_args, get_model_spec
+from parallelisms.parallel_dims import ParallelDims, ParallelismError, log_mesh
+from training.distributed import LaunchError, launch_env
+
+logger = logging.getLogger("meshtrain")
+
+
+def setup_logging(dump_folder: str, rank: int) -> None:
+    """Rank 0 logs to the console; every rank logs to <dump_folder>/logs/rank_<r>.log."""
+    logger.setLevel(logging.INFO)
+    logger.handlers.clear()
+    logger.propagate = False
+    fmt = logging.Formatter("%(asctime)s [rank%(rank)s] %(message)s", "%H:%M:%S")
+    old_factory = logging.getLogRecordFactory()
+
+    def factory(*args, **kwargs):
+        record = old_factory(*args, **kwargs)
+        record.rank = rank
+        return record
+
+    logging.setLogRecordFactory(factory)
+    log_dir = Path(dump_folder) / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    file_handler = logging.FileHandler(log_dir / f"rank_{rank}.log")
+    file_handler.setFormatter(fmt)
+    logger.addHandler(file_handler)
+    if rank == 0 or os.environ.get("LOG_ALL_RANKS") == "1":
+        console = logging.StreamHandler(sys.stdout)
+        console.setFormatter(fmt)
+        logger.addHandler(console)
+
+
+def check_config(cfg: JobConfig, world_size: int) -> ParallelDims:
+    """Every check that needs only the config and the world size, before any real work."""
+    spec = get_model_spec(cfg.model.name)
+    if cfg.model.flavor not in spec.flavors:
+        raise ConfigError(
+            f"model.flavor = '{cfg.model.flavor}' is not a flavor of '{cfg.model.name}'. "
+            f"Available: {', '.join(spec.flavors)}."
+        )
+    p = cfg.parallelism
+    dims = ParallelDims.from_config(
+        world_size=world_size, dp_replicate=p.data_parallel_replicate_degree,
+        dp_shard=p.data_parallel_shard_degree, tp=p.tensor_parallel_degree,
+        pp=p.pipeline_parallel_degree, zero_stage=p.zero_stage,
+    )
+    t = cfg.training
+    per_micro = t.local_batch_size * dims.dp
+    if t.global_batch_size != -1 and t.global_batch_size % per_micro:
+        raise ConfigError(
+            f"training.global_batch_size = {t.global_batch_size} must be a multiple of "
+            f"local_batch_size ({t.local_batch_size}) x data-parallel degree ({dims.dp}) = "
+            f"{per_micro}; the quotient is the number of gradient-accumulation steps."
+        )
+    return dims
+
+
+def dry_run(cfg: JobConfig) -> None:
+    """Builds the model on the meta device (allocating nothing) and reports its size."""
+    from metrics.flops import count_params, flops_per_token
+
+    vocab = None  # the flavor's vocabulary unless the tokenizer file is at hand
+    if cfg.model.tokenizer_path and Path(cfg.model.tokenizer_path).is_file():
+        from data.tokenizer import build_tokenizer
+
+        vocab = build_tokenizer(cfg.model.tokenizer_path).vocab_size
+    spec = get_model_spec(cfg.model.name)
+    args = build_model_args(cfg.model.name, cfg.model.flavor, cfg.training.seq_len, vocab)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    n = count_params(model)
+    n_no_emb = count_params(model, exclude_embedding=True)
+    fpt = flops_per_token(n_no_emb, args.n_layers, args.n_heads, args.head_dim, args.max_seq_len)
+    print(
+        f"dry run: {cfg.model.name} {cfg.model.flavor}: {n:,} parameters "
+        f"({n / 1e9:.2f}B; {n_no_emb:,} without embeddings), "
+        f"{fpt / 1e9:.2f} GFLOP per token at seq_len {args.max_seq_len}"
+    )
+
+
+@dataclass
+class StopFlag:
+    """Set by SIGINT/SIGTERM; the loop stops at the next step where all ranks agree."""
+
+    requested: bool = False
+
+    def install(self) -> None:
+        def handler(signum, frame):
+            if self.requested:  # second signal: stop now
+                raise KeyboardInterrupt
+            self.requested = True
+            logger.info("signal %d received: stopping after this step", signum)
+
+        signal.signal(signal.SIGINT, handler)
+        signal.signal(signal.SIGTERM, handler)
+
+    def agreed(self, device: torch.device) -> bool:
+        if not torch.distributed.is_initialized():
+            return self.requested
+        flag = torch.tensor([int(self.requested)], device=device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--help" in argv or "-h" in argv:
+        print(help_text())
+        return 0
+    try:
+        cfg = parse_args(argv)
+        rank, local_rank, world_size = launch_env()
+        parallel_dims = check_config(cfg, world_size)
+        if cfg.job.dry_run:
+            dry_run(cfg)
+            return 0
+    except (ConfigError, ParallelismError, LaunchError) as e:
+        print(f"meshtrain: error: {e}", file=sys.stderr)
+        return 2
+    setup_logging(cfg.job.dump_folder, rank)
+    if rank == 0:
+        text = config_to_toml(cfg)
+        Path(cfg.job.dump_folder, "config.toml").write_text(text)
+        logger.info("resolved config (also in %s/config.toml):\n%s", cfg.job.dump_folder, text)
+
+    from training.trainer import NonFiniteError, run_training  # heavy imports after the checks
+
+    stop = StopFlag()
+    stop.install()
+    try:
+        run_training(cfg, parallel_dims, rank=rank, local_rank=local_rank, stop=stop)
+    except NonFiniteError as e:
+        logger.error("%s", e)
+        return 1
+    except KeyboardInterrupt:
+        logger.info("interrupted")
+        return 130
+    finally:
+        from training.distributed import cleanup
+
+        cleanup()
+        for h in logger.handlers:
+            h.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""Process setup: device and backend choice, process group, seeds, determinism, teardown."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("meshtrain")
+
+
+class LaunchError(RuntimeError):
+    """A problem with the launch environment (ranks, devices), reported before training."""
+
+
+def launch_env() -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) from torchrun's variables; (0, 0, 1) for plain python."""
+    try:
+        rank = int(os.environ.get("RANK", 0))
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        world_size = int(os.environ.get("WORLD_SIZE", 1))
+    except ValueError as e:
+        raise LaunchError(f"RANK/LOCAL_RANK/WORLD_SIZE must be integers: {e}") from None
+    if world_size > 1 and "MASTER_ADDR" not in os.environ:
+        raise LaunchError(
+            f"WORLD_SIZE={world_size} but MASTER_ADDR is not set: launch with torchrun "
+            "(e.g. torchrun --standalone --nproc_per_node 2 train.py ...)."
+        )
+    return rank, local_rank, world_size
+
+
+def pick_device(choice: str, local_rank: int) -> torch.device:
+    """`auto` = this rank's CUDA device when GPUs are present, else the CPU."""
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise LaunchError("training.device = 'cuda' but no CUDA device is visible; use "
+                              "--training.device cpu.")
+        if local_rank >= torch.cuda.device_count():
+            raise LaunchError(
+                f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
+                "launch at most one process per GPU (torchrun --nproc_per_node)."
+            )
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_process_group(device: torch.device, world_size: int, timeout_s: int) -> None:
+    """NCCL for CUDA, gloo for CPU; a no-op for a single process."""
+    if world_size == 1 or dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+
+
+def set_collective_timeout(timeout_s: int) -> None:
+    """Switches the default group from the set-up timeout to the steady-state one."""
+    if dist.is_initialized():
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    """Same seed on every rank: dropout-free Llama needs no per-rank streams."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=False)
+        torch.backends.cudnn.benchmark = False
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+def cleanup() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,15 @@
+"""Token-level cross-entropy in float32."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum (not mean) of per-token losses, computed in float32.
+
+    Summing lets the step divide by the token count of the whole optimizer step, so every
+    token weighs the same whatever the micro-batching and data-parallel degree.
+    """
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")

@@ -1,0 +1,74 @@
+"""AdamW with weight-decay groups, and the warmup + decay learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def param_groups(model_parts: list[nn.Module], weight_decay: float, no_decay: list[str]):
+    """Two groups: decayed weights, and parameters whose name contains a `no_decay` pattern."""
+    decay, keep = [], []
+    for part in model_parts:
+        for name, p in part.named_parameters():
+            if p.requires_grad:
+                (keep if any(s in name for s in no_decay) else decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": keep, "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(model_parts: list[nn.Module], cfg, device_type: str) -> torch.optim.Optimizer:
+    """One optimizer over all local model parts (several with virtual pipeline stages)."""
+    impl = cfg.implementation
+    if impl == "auto":
+        impl = "fused" if device_type == "cuda" else "foreach"
+    kwargs = {
+        "lr": cfg.lr,
+        "betas": (cfg.beta1, cfg.beta2),
+        "eps": cfg.eps,
+        "fused": impl == "fused",
+        "foreach": impl == "foreach",
+    }
+    groups = param_groups(model_parts, cfg.weight_decay, cfg.no_decay_patterns)
+    if cfg.name == "AdamW":
+        return torch.optim.AdamW(groups, **kwargs)
+    for g in groups:
+        g["weight_decay"] = 0.0
+    return torch.optim.Adam(groups, **kwargs)
+
+
+def lr_factor(step: int, total_steps: int, warmup: int, decay_ratio: float | None,
+              decay_type: str, min_lr_factor: float) -> float:
+    """LR multiplier for optimizer step `step` (1-based): warmup, flat, then decay.
+
+    Warmup rises linearly to 1 over `warmup` steps (step 1 gets 1/(warmup+1), never 0). The
+    last `decay_ratio * total_steps` steps (all post-warmup steps when None) decay from 1 to
+    `min_lr_factor` following `decay_type`; `constant` holds 1 throughout.
+    """
+    if step <= warmup:
+        return step / (warmup + 1)
+    decay_steps = total_steps - warmup if decay_ratio is None else round(total_steps * decay_ratio)
+    decay_start = total_steps - decay_steps
+    if decay_type == "constant" or step <= decay_start or decay_steps <= 0:
+        return 1.0
+    progress = min((step - decay_start) / decay_steps, 1.0)
+    if decay_type == "linear":
+        shape = 1.0 - progress
+    elif decay_type == "sqrt":
+        shape = 1.0 - math.sqrt(progress)
+    else:  # cosine
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_lr_factor + (1.0 - min_lr_factor) * shape
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int):
+    """LambdaLR whose internal counter starts at 0; `lr_factor` sees the 1-based step."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: lr_factor(s + 1, total_steps, cfg.warmup_steps, cfg.decay_ratio,
+                            cfg.decay_type, cfg.min_lr_factor),
+    )

@@ -1,0 +1,87 @@
+"""The one training step every layout runs, and the global gradient-norm clip."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+@dataclass
+class StepSetup:
+    """What `train_step` needs besides the batch; built once by the trainer."""
+
+    model_parts: list[nn.Module]
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # sum of token losses
+    tokens_per_rank_step: int  # tokens this rank sees per optimizer step (all micro-steps)
+    pp_schedule: object | None = None  # a torch.distributed.pipelining schedule
+    pp_first_stage: bool = True
+    pp_last_stage: bool = True
+    loss_context: Callable[[], contextlib.AbstractContextManager] = field(
+        default=contextlib.nullcontext
+    )
+
+    def scaled_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Token-sum loss over this rank's tokens for the whole step: the micro-steps' terms add
+        up to this rank's mean, and averaging gradients over DP ranks gives the global mean."""
+        return self.loss_fn(logits, labels) / self.tokens_per_rank_step
+
+
+def _set_grad_sync(model_parts: list[nn.Module], enabled: bool) -> None:
+    """FSDP2 reduces gradients only on the last micro-step of an accumulation window."""
+    for part in model_parts:
+        if hasattr(part, "set_requires_gradient_sync"):
+            part.set_requires_gradient_sync(enabled)
+
+
+def train_step(setup: StepSetup, microbatches: list[tuple[torch.Tensor, torch.Tensor]]):
+    """Forward and backward over every micro-step; returns this rank's mean loss (a tensor,
+    zero on pipeline stages that do not compute the loss). No host sync happens here."""
+    total = torch.zeros((), device=microbatches[0][0].device)
+    for i, (inputs, labels) in enumerate(microbatches):
+        _set_grad_sync(setup.model_parts, i == len(microbatches) - 1)
+        with setup.loss_context():
+            if setup.pp_schedule is None:
+                loss = setup.scaled_loss(setup.model_parts[0](inputs), labels)
+                loss.backward()
+                total += loss.detach()
+            else:
+                losses = [] if setup.pp_last_stage else None
+                target = labels if setup.pp_last_stage else None
+                args = (inputs,) if setup.pp_first_stage else ()
+                setup.pp_schedule.step(*args, target=target, losses=losses)
+                if setup.pp_last_stage:
+                    total += torch.stack([x.detach() for x in losses]).sum()
+    return total
+
+
+def clip_grad_norm_(
+    parameters: list[torch.Tensor], max_norm: float, pp_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Clips to the true global L2 norm across every mesh dimension and pipeline stage."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()  # reduces partial norms over the DP/TP dimensions
+    if pp_group is not None:
+        norm = norm**2
+        dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=pp_group)
+        norm = norm.sqrt()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm, foreach=True)
+    return norm
+
+
+def global_mean(value: torch.Tensor, replicas: int) -> float:
+    """Averages a per-rank scalar over all ranks, given how many ranks hold each value's
+    copy (e.g. TP ranks); pipeline stages without a loss contribute zero."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        value = value.detach().clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        return value.item() / replicas
+    return value.item()

@@ -1,0 +1,262 @@
+"""Builds a run from a validated config and drives the training loop."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from config import JobConfig
+from data.dataloader import build_dataloader
+from data.sample_corpus import default_cache_dir, ensure_sample_tokenizer
+from data.tokenizer import build_tokenizer
+from metrics import MetricsLogger, count_params, device_peak_flops, flops_per_token, throughput
+from metrics.memory import peak_memory_gib, reset_peak_memory
+from models import build_model_args, get_model_spec
+from parallelisms.fsdp import mixed_precision_dtypes
+from parallelisms.init_weights import init_weights
+from parallelisms.parallel_dims import ParallelDims, log_mesh
+from training.distributed import (
+    init_process_group,
+    pick_device,
+    seed_everything,
+    set_collective_timeout,
+)
+from training.loss import cross_entropy_sum
+from training.optimizer import build_lr_scheduler, build_optimizer
+from training.step import StepSetup, clip_grad_norm_, global_mean, train_step
+from training.validate import evaluate
+
+logger = logging.getLogger("meshtrain")
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or gradient norm became NaN/inf; the run stops without saving."""
+
+
+@dataclass
+class TrainState:
+    """Progress that a checkpoint must carry besides model/optimizer/data state."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    log_history: list[dict] = field(default_factory=list)
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "tokens_seen": self.tokens_seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])
+
+
+def load_tokenizer(cfg: JobConfig):
+    path = cfg.model.tokenizer_path or ensure_sample_tokenizer(default_cache_dir())
+    return build_tokenizer(path)
+
+
+def build_model_parts(cfg, parallel_dims, model_args, device, loss_fn):
+    """Model on meta -> (pipeline split) -> parallelize -> materialise -> init.
+
+    Returns (model_parts, pp_schedule, has_first_stage, has_last_stage).
+    """
+    spec = get_model_spec(cfg.model.name)
+    with torch.device("meta"):
+        model = spec.model_cls(model_args)
+    if parallel_dims.pp_enabled:
+        model_parts, schedule, first, last = spec.pipeline_fn(
+            model, parallel_dims, cfg, device, loss_fn
+        )
+    else:
+        model_parts = [spec.parallelize_fn(model, parallel_dims, cfg, device.type)]
+        schedule, first, last = None, True, True
+    init_device = "cpu" if cfg.training.enable_cpu_offload else device
+    for part in model_parts:
+        part.to_empty(device=init_device)
+        with torch.no_grad():
+            init_weights(part, cfg.debug.seed)
+        part.init_buffers(device)
+        part.train()
+    return model_parts, schedule, first, last
+
+
+def run_training(cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, local_rank: int,
+                 stop) -> TrainState:
+    t = cfg.training
+    device = pick_device(t.device, local_rank)
+    init_process_group(device, parallel_dims.world_size, cfg.comm.init_timeout_seconds)
+    seed_everything(cfg.debug.seed, cfg.debug.deterministic)
+    parallel_dims.build_mesh(device.type)
+    log_mesh(parallel_dims)
+    dp_rank, dp_degree = parallel_dims.coordinate("dp")
+
+    tokenizer = load_tokenizer(cfg)
+    model_args = build_model_args(cfg.model.name, cfg.model.flavor, t.seq_len,
+                                  tokenizer.vocab_size)
+    global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dp_degree
+    accum_steps = global_batch // (t.local_batch_size * dp_degree)
+    tokens_per_rank_step = t.local_batch_size * t.seq_len * accum_steps
+
+    def step_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return cross_entropy_sum(logits, labels) / tokens_per_rank_step
+
+    model_parts, schedule, first, last = build_model_parts(
+        cfg, parallel_dims, model_args, device, step_loss
+    )
+    n_params = sum(count_params(p) for p in model_parts)
+    if parallel_dims.pp_enabled:  # each stage holds a part: count the whole model on meta
+        with torch.device("meta"):
+            n_params = count_params(get_model_spec(cfg.model.name).model_cls(model_args))
+    with torch.device("meta"):
+        n_no_emb = count_params(get_model_spec(cfg.model.name).model_cls(model_args),
+                                exclude_embedding=True)
+    fpt = flops_per_token(n_no_emb, model_args.n_layers, model_args.n_heads,
+                          model_args.head_dim, t.seq_len)
+    compute_dtype = torch.float32
+    if parallel_dims.dp_enabled:  # mixed precision is applied by FSDP
+        compute_dtype = mixed_precision_dtypes(t, device.type)[0]
+    peak, peak_src = device_peak_flops(device, compute_dtype, default_cache_dir())
+    logger.info(
+        "model %s %s: %s parameters, %.2f GFLOP/token; global batch %d sequences "
+        "(%d x %d DP ranks x %d accumulation steps); peak %.1f TFLOP/s (%s)",
+        cfg.model.name, cfg.model.flavor, f"{n_params:,}", fpt / 1e9, global_batch,
+        t.local_batch_size, dp_degree, accum_steps, peak / 1e12, peak_src,
+    )
+
+    train_loader = build_dataloader(
+        dataset=t.dataset, dataset_path=t.dataset_path, tokenizer=tokenizer, seq_len=t.seq_len,
+        local_batch_size=t.local_batch_size, dp_rank=dp_rank, dp_degree=dp_degree,
+        split="train", text_field=t.dataset_text_field, cache_dir=default_cache_dir(),
+    )
+    val_loader = None
+    if cfg.validation.enable:
+        v = cfg.validation
+        val_loader = build_dataloader(
+            dataset=v.dataset or t.dataset, dataset_path=v.dataset_path or t.dataset_path,
+            tokenizer=tokenizer, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
+            dp_rank=dp_rank, dp_degree=dp_degree, split="validation",
+            text_field=t.dataset_text_field, cache_dir=default_cache_dir(), infinite=False,
+        )
+
+    optimizer = build_optimizer(model_parts, cfg.optimizer, device.type)
+    lr_scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
+    state = TrainState()
+    checkpointer = None
+    if cfg.checkpoint.enable:
+        from checkpoint.manager import CheckpointManager
+
+        checkpointer = CheckpointManager(
+            cfg, model_parts=model_parts, optimizer=optimizer, lr_scheduler=lr_scheduler,
+            dataloader=train_loader, train_state=state, parallel_dims=parallel_dims,
+        )
+        checkpointer.load()
+
+    setup = StepSetup(
+        model_parts=model_parts, loss_fn=step_loss, tokens_per_rank_step=tokens_per_rank_step,
+        pp_schedule=schedule, pp_first_stage=first, pp_last_stage=last,
+        loss_context=contextlib.nullcontext,
+    )
+    params = [p for part in model_parts for p in part.parameters()]
+    pp_group = parallel_dims.dim("pp").get_group() if parallel_dims.pp_enabled else None
+    loss_replicas = parallel_dims.world_size // parallel_dims.pp  # ranks per loss value x DP
+    is_logger = rank == 0
+    metrics = MetricsLogger(cfg.job.dump_folder, rank, enabled=is_logger,
+                            enable_tensorboard=cfg.metrics.enable_tensorboard,
+                            tb_folder=cfg.metrics.save_tb_folder)
+    set_collective_timeout(cfg.comm.train_timeout_seconds)
+    data_iter = iter(train_loader)
+    first_bad = torch.full((), -1, dtype=torch.long, device=device)
+    tokens_per_device_step = global_batch * t.seq_len / parallel_dims.world_size
+    window = {"steps": 0, "time": 0.0, "data": 0.0}
+    reset_peak_memory(device)
+    logger.info("training from step %d to %d", state.step + 1, t.steps)
+    try:
+        while state.step < t.steps:
+            state.step += 1
+            t0 = time.perf_counter()
+            micro = []
+            for _ in range(accum_steps):
+                inputs, labels = next(data_iter)
+                micro.append((inputs.to(device, non_blocking=True),
+                              labels.to(device, non_blocking=True)))
+            t_data = time.perf_counter() - t0
+            loss = train_step(setup, micro)
+            grad_norm = clip_grad_norm_(params, t.max_norm, pp_group)
+            optimizer.step()
+            lr_scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            bad = ~torch.isfinite(grad_norm) | (~torch.isfinite(loss) if last else False)
+            first_bad = torch.where(bad & (first_bad < 0), state.step, first_bad)
+            state.tokens_seen += global_batch * t.seq_len
+            if device.type == "cuda" and (state.step % cfg.metrics.log_freq == 0):
+                torch.cuda.synchronize(device)
+            window["steps"] += 1
+            window["time"] += time.perf_counter() - t0
+            window["data"] += t_data
+
+            log_now = state.step % cfg.metrics.log_freq == 0 or state.step in (1, t.steps)
+            if log_now:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                global_loss = global_mean(loss, loss_replicas)
+                rates = throughput(
+                    int(tokens_per_device_step * window["steps"]), window["time"], fpt, peak
+                )
+                record = {
+                    "loss": global_loss,
+                    "grad_norm": grad_norm.item(),
+                    "lr": lr_scheduler.get_last_lr()[0],
+                    **rates,
+                    "memory_gib": peak_memory_gib(device),
+                    "step_time_s": window["time"] / window["steps"],
+                    "data_time_s": window["data"] / window["steps"],
+                    "tokens_seen": state.tokens_seen,
+                }
+                metrics.log(state.step, record)
+                window = {"steps": 0, "time": 0.0, "data": 0.0}
+                bad_step = int(first_bad.item())
+                if dist.is_initialized():
+                    flag = torch.tensor([bad_step], device=device)
+                    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                    bad_step = int(flag.item())
+                if bad_step >= 0:
+                    raise NonFiniteError(
+                        f"non-finite loss or gradient norm at step {bad_step} (loss "
+                        f"{global_loss}, grad_norm {record['grad_norm']}); stopping without "
+                        "saving. Lower optimizer.lr, check the data, or raise warmup."
+                    )
+            if val_loader is not None and state.step % cfg.validation.freq == 0:
+                val_loss = evaluate(setup, val_loader, cfg.validation.steps, device)
+                metrics.log(state.step, {"loss": val_loss,
+                                         "perplexity": math.exp(min(val_loss, 50.0))},
+                            kind="validation")
+            if checkpointer is not None:
+                if checkpointer.due(state.step) and _first_bad_step(first_bad, device) >= 0:
+                    raise NonFiniteError(
+                        f"non-finite loss or gradient norm at step "
+                        f"{_first_bad_step(first_bad, device)}; not saving a checkpoint."
+                    )
+                checkpointer.maybe_save(state.step, last_step=state.step == t.steps)
+            if (log_now or not dist.is_initialized()) and stop.agreed(device):
+                logger.info("stopping at step %d on request", state.step)
+                break
+    finally:
+        if checkpointer is not None:
+            checkpointer.close()
+        metrics.close()
+    logger.info("done: %d steps, %s tokens", state.step, f"{state.tokens_seen:,}")
+    return state
+
+
+def _first_bad_step(first_bad: torch.Tensor, device: torch.device) -> int:
+    """The earliest non-finite step on any rank (-1 if none); a collective on all ranks."""
+    value = first_bad.clone().reshape(1)
+    if dist.is_initialized():
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item())

@@ -1,0 +1,41 @@
+"""Validation loss on the held-out split, averaged over every token all DP ranks saw."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from training.loss import cross_entropy_sum
+
+
+@torch.no_grad()
+def evaluate(setup, loader, steps: int, device: torch.device) -> float:
+    """Mean token loss over `steps` batches (-1 = the whole split) on every DP rank.
+
+    Loss and token sums are added over all ranks; TP copies scale both equally, and only
+    the stage that computes the loss counts tokens, so the ratio is the global mean."""
+    for part in setup.model_parts:
+        part.eval()
+    total = torch.zeros(2, device=device, dtype=torch.float64)  # (loss sum, tokens)
+    for i, (inputs, labels) in enumerate(loader):
+        if steps >= 0 and i >= steps:
+            break
+        inputs, labels = inputs.to(device), labels.to(device)
+        with setup.loss_context():
+            if setup.pp_schedule is None:
+                total[0] += cross_entropy_sum(setup.model_parts[0](inputs), labels).double()
+            else:
+                losses = [] if setup.pp_last_stage else None
+                target = labels if setup.pp_last_stage else None
+                args = (inputs,) if setup.pp_first_stage else ()
+                setup.pp_schedule.eval(*args, target=target, losses=losses)
+                if setup.pp_last_stage:
+                    # The schedule's loss is scaled by the tokens of one training step.
+                    total[0] += torch.stack(losses).sum().double() * setup.tokens_per_rank_step
+        if setup.pp_last_stage:
+            total[1] += labels.numel()
+    for part in setup.model_parts:
+        part.train()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return (total[0] / total[1]).item() if total[1] > 0 else float("nan")
