@@ -86,7 +86,10 @@ def dry_run(cfg: JobConfig) -> None:
 
         vocab = build_tokenizer(cfg.model.tokenizer_path).vocab_size
     spec = get_model_spec(cfg.model.name)
-    args = build_model_args(cfg.model.name, cfg.model.flavor, cfg.training.seq_len, vocab)
+    try:
+        args = build_model_args(cfg.model.name, cfg.model.flavor, cfg.training.seq_len, vocab)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     with torch.device("meta"):
         model = spec.model_cls(args)
     n = count_params(model)
@@ -130,11 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         cfg = parse_args(argv)
-        rank, local_rank, world_size = launch_env()
-        parallel_dims = check_config(cfg, world_size)
-        if cfg.job.dry_run:
+        if cfg.job.dry_run:  # the layout is for the real cluster, not this process
             dry_run(cfg)
             return 0
+        rank, local_rank, world_size = launch_env()
+        parallel_dims = check_config(cfg, world_size)
     except (ConfigError, ParallelismError, LaunchError) as e:
         print(f"meshtrain: error: {e}", file=sys.stderr)
         return 2

@@ -237,11 +237,6 @@ def validate(cfg: JobConfig) -> None:
             f"training.global_batch_size = {t.global_batch_size} must be a multiple of "
             f"training.local_batch_size = {t.local_batch_size} (or -1)."
         )
-    if cfg.lr_scheduler.warmup_steps > t.steps:
-        raise ConfigError(
-            f"lr_scheduler.warmup_steps = {cfg.lr_scheduler.warmup_steps} exceeds "
-            f"training.steps = {t.steps}; lower the warmup or train longer."
-        )
     ac = cfg.activation_checkpoint
     if ac.mode == "selective" and ac.selective_ac_option != "op":
         if not ac.selective_ac_option.isdigit() or int(ac.selective_ac_option) < 1:

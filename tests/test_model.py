@@ -1,0 +1,144 @@
+"""Llama 3 components against plain reference implementations written here."""
+
+import math
+
+import pytest
+import torch
+
+from models import build_model_args
+from models.llama3 import ModelArgs, Transformer, llama3_flavors
+from models.llama3.model import Attention, FeedForward, apply_rope, rope_frequencies, rope_table
+from parallelisms.init_weights import init_weights
+
+
+def ref_rope(x, theta):
+    """Complex-number RoPE on adjacent pairs, as Meta's reference code does it."""
+    b, s, h, d = x.shape
+    freqs = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64)[: d // 2] / d))
+    angles = torch.outer(torch.arange(s, dtype=torch.float64), freqs)
+    rot = torch.polar(torch.ones_like(angles), angles)
+    xc = torch.view_as_complex(x.double().reshape(b, s, h, d // 2, 2))
+    return torch.view_as_real(xc * rot[None, :, None, :]).reshape(b, s, h, d)
+
+
+def test_rope_matches_complex_reference():
+    args = ModelArgs(dim=64, n_heads=4, max_seq_len=16, rope_theta=10000.0)
+    x = torch.randn(2, 16, 4, 16)
+    torch.testing.assert_close(apply_rope(x, rope_table(args)), ref_rope(x, 10000.0).float(),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_llama31_rope_scaling_only_touches_low_frequencies():
+    plain = rope_frequencies(ModelArgs(dim=512, n_heads=4, rope_theta=500000.0))
+    scaled = rope_frequencies(ModelArgs(dim=512, n_heads=4, rope_theta=500000.0,
+                                        use_scaled_rope=True))
+    wavelen = 2 * math.pi / plain
+    high = wavelen < 8192 / 4  # short wavelengths are kept
+    low = wavelen > 8192  # long ones are divided by the scale factor 8
+    torch.testing.assert_close(scaled[high], plain[high])
+    torch.testing.assert_close(scaled[low], plain[low] / 8)
+    assert high.any() and low.any()
+
+
+def test_gqa_attention_matches_explicit_reference():
+    torch.manual_seed(0)
+    args = ModelArgs(dim=32, n_heads=4, n_kv_heads=2, max_seq_len=8)
+    attn = Attention(args)
+    x = torch.randn(2, 8, 32)
+    table = rope_table(args)
+    out = attn(x, table)
+    # Reference: explicit softmax(QK^T / sqrt(d) + causal mask) V with shared KV heads.
+    q = attn.wq(x).view(2, 8, 4, 8)
+    k = attn.wk(x).view(2, 8, 2, 8)
+    v = attn.wv(x).view(2, 8, 2, 8)
+    q, k = ref_rope(q, args.rope_theta).float(), ref_rope(k, args.rope_theta).float()
+    k = k[:, :, [0, 0, 1, 1]]  # query heads 0,1 share kv head 0; 2,3 share kv head 1
+    v = v[:, :, [0, 0, 1, 1]]
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(8)
+    scores = scores.masked_fill(torch.triu(torch.ones(8, 8, dtype=torch.bool), 1), float("-inf"))
+    ref = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v).reshape(2, 8, 32)
+    torch.testing.assert_close(out, attn.wo(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_rmsnorm_matches_reference():
+    norm = torch.nn.RMSNorm(16, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.uniform_()
+    x = torch.randn(3, 16)
+    ref = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight
+    torch.testing.assert_close(norm(x), ref)
+
+
+def test_swiglu_sizing_and_output():
+    # Llama 3 8B: dim 4096, multiplier 1.3, multiple_of 1024 -> 14336 (published).
+    assert llama3_flavors["8B"].ffn_hidden_dim == 14336
+    assert llama3_flavors["70B"].ffn_hidden_dim == 28672
+    assert llama3_flavors["405B"].ffn_hidden_dim == 53248
+    assert ModelArgs(dim=256, multiple_of=256).ffn_hidden_dim == 768  # int(2*1024/3)=682 -> 768
+    ff = FeedForward(8, 16)
+    x = torch.randn(4, 8)
+    ref = ff.w2(torch.nn.functional.silu(ff.w1(x)) * ff.w3(x))
+    torch.testing.assert_close(ff(x), ref)
+
+
+@pytest.mark.parametrize(
+    "flavor, expected",
+    [("8B", 8.03e9), ("70B", 70.55e9), ("405B", 405.85e9)],
+)
+def test_flavor_parameter_counts_on_meta(flavor, expected):
+    with torch.device("meta"):
+        model = Transformer(llama3_flavors[flavor])
+    n = sum(p.numel() for p in model.parameters())
+    assert abs(n - expected) / expected < 0.001
+    assert all(p.is_meta for p in model.parameters())
+
+
+def test_build_model_args_uses_tokenizer_vocab_and_seq_len():
+    args = build_model_args("llama3", "8B", seq_len=4096, vocab_size=1000)
+    assert (args.vocab_size, args.max_seq_len, args.dim) == (1000, 4096, 4096)
+    with pytest.raises(ValueError, match="not a flavor"):
+        build_model_args("llama3", "7B", seq_len=8)
+
+
+def _tiny_args():
+    return ModelArgs(dim=32, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=50,
+                     multiple_of=16, max_seq_len=16)
+
+
+def test_meta_init_is_deterministic_and_follows_the_rules():
+    def build(seed):
+        with torch.device("meta"):
+            m = Transformer(_tiny_args())
+        m.to_empty(device="cpu")
+        init_weights(m, seed)
+        m.init_buffers("cpu")
+        return m
+
+    a, b, c = build(1), build(1), build(2)
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb), name
+        if not name.endswith("norm.weight"):
+            assert not torch.equal(pa, pc), name
+    assert torch.equal(a.layers["0"].attention_norm.weight, torch.ones(32))
+    # Depth-scaled std for residual projections, 3-std truncation.
+    wo0, wo2 = a.layers["0"].attention.wo.weight, a.layers["2"].attention.wo.weight
+    assert wo2.std() < wo0.std()
+    assert wo0.abs().max() <= 3 * 0.02 / math.sqrt(2) + 1e-6
+    torch.testing.assert_close(a.rope, rope_table(_tiny_args()))
+    logits = a(torch.randint(0, 50, (2, 16)))
+    assert logits.shape == (2, 16, 50) and torch.isfinite(logits).all()
+
+
+def test_pipeline_stage_style_model_without_embeddings():
+    torch.manual_seed(0)
+    full = Transformer(_tiny_args())
+    tokens = torch.randint(0, 50, (1, 8))
+    h = full.tok_embeddings(tokens)
+    for key in ("0", "1"):
+        h = full.layers[key](h, full.rope)
+    # A last stage: embeddings removed, first layers deleted, keys stay stable.
+    full_logits = full(tokens)
+    del full.layers["0"], full.layers["1"]
+    full.tok_embeddings = None
+    assert list(full.layers.keys()) == ["2"]
+    torch.testing.assert_close(full(h), full_logits)
