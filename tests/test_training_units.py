@@ -1,0 +1,100 @@
+"""LR schedule values, weight-decay groups, and gradient-accumulation equivalence."""
+
+import math
+
+import pytest
+import torch
+
+from config import parse_args
+from models.llama3 import ModelArgs, Transformer
+from parallelisms.init_weights import init_weights
+from training.loss import cross_entropy_sum
+from training.optimizer import build_lr_scheduler, build_optimizer, lr_factor, param_groups
+from training.step import StepSetup, clip_grad_norm_, train_step
+
+
+def test_lr_schedule_values():
+    f = lambda s, kind, ratio=None: lr_factor(s, 100, 10, ratio, kind, 0.1)  # noqa: E731
+    assert f(1, "linear") == pytest.approx(1 / 11)  # warmup never starts at zero
+    assert f(10, "linear") == pytest.approx(10 / 11)
+    assert f(11, "linear") == pytest.approx(0.1 + 0.9 * (1 - 1 / 90))
+    assert f(100, "linear") == pytest.approx(0.1)
+    assert f(55, "cosine") == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert f(100, "cosine") == pytest.approx(0.1)
+    assert f(100, "sqrt") == pytest.approx(0.1)
+    assert f(70, "constant") == 1.0
+    # decay_ratio 0.2: flat at 1 until step 80, then linear to the floor at 100.
+    assert f(50, "linear", 0.2) == 1.0
+    assert f(90, "linear", 0.2) == pytest.approx(0.1 + 0.9 * 0.5)
+
+
+def test_lr_scheduler_drives_the_optimizer():
+    p = torch.nn.Parameter(torch.zeros(2))
+    cfg = parse_args(["--lr_scheduler.warmup_steps", "2", "--training.steps", "4"])
+    opt = torch.optim.SGD([p], lr=1.0)
+    sched = build_lr_scheduler(opt, cfg.lr_scheduler, 4)
+    lrs = []
+    for _ in range(4):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs == pytest.approx([1 / 3, 2 / 3, 0.5, 0.0])
+
+
+def _tiny_model(seed=0):
+    with torch.device("meta"):
+        m = Transformer(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64,
+                                  multiple_of=16, max_seq_len=16))
+    m.to_empty(device="cpu")
+    init_weights(m, seed)
+    m.init_buffers("cpu")
+    return m
+
+
+def test_no_weight_decay_on_norms_and_embeddings():
+    m = _tiny_model()
+    decay, keep = param_groups([m], 0.1, ["norm", "tok_embeddings"])
+    names = {id(p): n for n, p in m.named_parameters()}
+    assert all("norm" in names[id(p)] or "tok_embeddings" in names[id(p)] for p in keep["params"])
+    assert {names[id(p)] for p in keep["params"]} >= {"tok_embeddings.weight", "norm.weight"}
+    assert keep["weight_decay"] == 0.0 and decay["weight_decay"] == 0.1
+    assert len(decay["params"]) + len(keep["params"]) == len(list(m.parameters()))
+
+
+def _run_steps(batch_split, steps=3):
+    """Trains a tiny model on 8 fixed sequences per step, split into micro-steps."""
+    torch.manual_seed(0)
+    data = torch.randint(0, 64, (steps, 8, 17))
+    m = _tiny_model()
+    cfg = parse_args(["--optimizer.lr", "0.01"])
+    opt = build_optimizer([m], cfg.optimizer, "cpu")
+    tokens = 8 * 16
+    setup = StepSetup(model_parts=[m], loss_fn=lambda lg, lb: cross_entropy_sum(lg, lb) / tokens,
+                      tokens_per_rank_step=tokens)
+    losses = []
+    for s in range(steps):
+        micro = [(c[:, :-1], c[:, 1:]) for c in data[s].split(batch_split)]
+        losses.append(train_step(setup, micro).item())
+        clip_grad_norm_(list(m.parameters()), 1.0)
+        opt.step()
+        opt.zero_grad()
+    return losses, m
+
+
+def test_gradient_accumulation_4x2_equals_batch_8():
+    full, m_full = _run_steps(8)
+    accum, m_accum = _run_steps(2)
+    assert accum == pytest.approx(full, rel=1e-5)
+    for a, b in zip(m_full.parameters(), m_accum.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_clip_grad_norm_returns_total_norm_and_clips():
+    p = torch.nn.Parameter(torch.zeros(4))
+    q = torch.nn.Parameter(torch.zeros(3))
+    p.grad = torch.full((4,), 3.0)
+    q.grad = torch.full((3,), 4.0)
+    norm = clip_grad_norm_([p, q], 1.0)
+    assert norm.item() == pytest.approx(math.sqrt(4 * 9 + 3 * 16))
+    total = torch.cat([p.grad, q.grad]).norm()
+    assert total.item() == pytest.approx(1.0, rel=1e-5)
