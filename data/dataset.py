@@ -112,7 +112,8 @@ def cached_token_file(
 
 def file_identity(files: list[str]) -> list[list[Any]]:
     """(path, size, mtime) of each file: cheap change detection for cache keys."""
-    return [[f, os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files]
+    stats = [os.stat(f) for f in files]
+    return [[f, st.st_size, st.st_mtime_ns] for f, st in zip(files, stats)]
 
 
 @dataclass
@@ -191,7 +192,7 @@ class StreamReader:
         self, source: StreamedTokens, position: int, cursor: dict[str, Any], infinite: bool
     ) -> None:
         self.source, self.position, self.infinite = source, position, infinite
-        if cursor:
+        if "doc_index" in cursor:
             self.epoch, self.epoch_start = cursor["epoch"], cursor["epoch_start"]
             doc, doc_start = cursor["doc_index"], cursor["doc_token_start"]
         elif position == 0:
@@ -206,7 +207,7 @@ class StreamReader:
     def _open(self, doc: int, doc_start: int) -> None:
         """Restart reading at document `doc`, whose first token has offset `doc_start`."""
         self._docs = self.source.open_documents(doc)
-        self._next_doc, self._next_doc_start = doc, doc_start
+        self._next_doc = doc
         self._buffer = np.zeros(0, dtype=np.int64)
         self._buffer_start = doc_start  # epoch-relative offset of _buffer[0]
         self._doc_starts: list[tuple[int, int]] = []  # (doc index, offset) of buffered docs

@@ -115,7 +115,10 @@ def _documents(stdlib: Path, files: list[tuple[str, int]]) -> list[tuple[str, st
 def _write_corpus(stdlib: Path, files: list[tuple[str, int]], val_tmp: Path, train_tmp: Path):
     """Write the documents to the two JSONL files, ~1% of characters going to validation."""
     seen_chars = val_chars = 0
-    with open(train_tmp, "w", encoding="utf-8") as train, open(val_tmp, "w", encoding="utf-8") as val:
+    with (
+        open(train_tmp, "w", encoding="utf-8") as train,
+        open(val_tmp, "w", encoding="utf-8") as val,
+    ):
         for source, text in _documents(stdlib, files):
             record = json.dumps({"text": text, "source": source}, ensure_ascii=True) + "\n"
             if val_chars < _VALIDATION_FRACTION * seen_chars:

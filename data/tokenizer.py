@@ -42,9 +42,7 @@ def llama3_special_tokens() -> list[str]:
         "<|reserved_special_token_4|>",
         "<|eot_id|>",
     ]
-    reserved = [
-        f"<|reserved_special_token_{i}|>" for i in range(5, NUM_LLAMA3_SPECIAL_TOKENS - 5)
-    ]
+    reserved = [f"<|reserved_special_token_{i}|>" for i in range(5, NUM_LLAMA3_SPECIAL_TOKENS - 5)]
     return named + reserved
 
 
@@ -185,7 +183,9 @@ def build_tokenizer(path: str) -> Tokenizer:
         file = file / "tokenizer.model"
     expected = "a Llama 3 tiktoken BPE file (lines 'base64 rank') or a sentencepiece .model"
     if not file.is_file():
-        raise ValueError(f"tokenizer path {path!r} does not exist or is not a file; expected {expected}")
+        raise ValueError(
+            f"tokenizer path {path!r} does not exist or is not a file; expected {expected}"
+        )
     data = file.read_bytes()
     fingerprint = hashlib.sha256(data).hexdigest()
     ranks = _parse_tiktoken_ranks(data, str(file))

@@ -1,0 +1,263 @@
+"""Stateful, data-parallel-invariant loader over the global stream of packed sequences.
+
+Layout never changes the math: the global batch of step k is the global sequences
+`[pos_k, pos_k + B*dp)` where `pos_k` is the number of sequences consumed before it and `B*dp`
+the global batch size. Data-parallel rank r takes every dp-th of them, i.e. sequence
+`pos_k + j*dp + r` as row j of its local batch, so the ranks' batches are disjoint and their
+union is the dp=1 global batch whatever dp is.
+
+State (`state_dict()`) is the *global* position and is identical on every rank::
+
+    {"version": 1, "consumed_sequences": int, "seq_len": int, "dataset": str,
+     "cursor": dict, "dp_degree": int, "local_batch_size": int}
+
+`cursor` lets a streamed source resume without re-reading (file sources need only the
+position); `dp_degree` and `local_batch_size` are informational. A state saved at any dp degree
+can be loaded at any other: the loader simply continues at `consumed_sequences`, so no sequence
+is repeated or skipped. `load_state_dict` also accepts a mapping of per-rank states (e.g.
+`{"dp_rank_0": s0, "dp_rank_1": s1, ...}` from a checkpoint that stored one per rank); they must
+be identical and any one of them is used.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from data.cache import default_cache_dir
+from data.dataset import (
+    EndOfEpoch,
+    PackedTokens,
+    SequenceSource,
+    StreamedTokens,
+    cached_token_file,
+    file_identity,
+)
+from data.sample_corpus import ensure_sample_corpus
+from data.sources import FILE_EXTENSIONS, iter_documents, open_hf_stream, resolve_files
+from data.tokenizer import Tokenizer, build_tokenizer
+
+logger = logging.getLogger("meshtrain")
+
+SUPPORTED_DATASETS = ("sample", "text", "jsonl", "parquet", "huggingface")
+STATE_VERSION = 1
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class DPDataLoader:
+    """Yields (input_ids, labels) local batches of the global stream; exactly resumable.
+
+    Infinite loaders loop over epochs forever and a new `iter()` continues where the last one
+    stopped. Finite loaders (validation) make one pass, dropping the last incomplete global
+    batch, and every new `iter()` starts again from the beginning (or from a just-loaded state).
+    """
+
+    def __init__(
+        self,
+        source: SequenceSource,
+        *,
+        local_batch_size: int,
+        dp_rank: int,
+        dp_degree: int,
+        infinite: bool,
+    ) -> None:
+        self.source = source
+        self.local_batch_size = local_batch_size
+        self.dp_rank = dp_rank
+        self.dp_degree = dp_degree
+        self.infinite = infinite
+        self._reader = source.reader(0, {}, infinite)
+        self._resumed = False
+
+    def __iter__(self) -> Iterator[Batch]:
+        if not self.infinite and not self._resumed:
+            self._reader = self.source.reader(0, {}, False)
+        self._resumed = False
+        while (batch := self._next_batch()) is not None:
+            yield batch
+        self._reader = self.source.reader(0, {}, self.infinite)  # finite pass done: rewind
+
+    def _next_batch(self) -> Batch | None:
+        """Walk one global batch, keeping this rank's rows; None when a finite pass ends."""
+        rows = []
+        try:
+            for k in range(self.local_batch_size * self.dp_degree):
+                row = self._reader.advance(keep=k % self.dp_degree == self.dp_rank)
+                if row is not None:
+                    rows.append(row)
+        except EndOfEpoch:
+            return None
+        sequences = torch.from_numpy(np.stack(rows).astype(np.int64))
+        return sequences[:, :-1].contiguous(), sequences[:, 1:].contiguous()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The global position (the same on every rank)."""
+        return {
+            "version": STATE_VERSION,
+            "consumed_sequences": self._reader.position,
+            "seq_len": self.source.seq_len,
+            "dataset": self.source.fingerprint,
+            "cursor": self._reader.cursor(),
+            "dp_degree": self.dp_degree,
+            "local_batch_size": self.local_batch_size,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a saved global position (saved at any dp degree)."""
+        state = _single_state(state)
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"data loader state version {state.get('version')!r} is not supported")
+        if state["seq_len"] != self.source.seq_len:
+            raise ValueError(
+                f"data loader state was saved with seq_len={state['seq_len']} but this loader "
+                f"uses seq_len={self.source.seq_len}; positions are counted in sequences, so "
+                "resume with the same seq_len"
+            )
+        if state["dataset"] != self.source.fingerprint:
+            logger.warning(
+                "data loader state was saved for dataset %s but this loader reads %s; "
+                "resuming at sequence %d anyway",
+                state["dataset"],
+                self.source.fingerprint,
+                state["consumed_sequences"],
+            )
+        cursor = dict(state.get("cursor") or {})
+        self._reader = self.source.reader(state["consumed_sequences"], cursor, self.infinite)
+        self._resumed = True
+
+
+def build_dataloader(
+    *,
+    dataset: str,
+    dataset_path: str,
+    tokenizer: Tokenizer | str,
+    seq_len: int,
+    local_batch_size: int,
+    dp_rank: int,
+    dp_degree: int,
+    split: str = "train",
+    text_field: str = "text",
+    cache_dir: str | None = None,
+    infinite: bool = True,
+) -> DPDataLoader:
+    """Returns an iterable with state_dict()/load_state_dict(); each item is (input_ids, labels),
+    both torch.long tensors of shape [local_batch_size, seq_len] (on CPU).
+
+    `dataset` is one of SUPPORTED_DATASETS. For "sample" `dataset_path` is ignored and `split`
+    ("train"/"validation") picks the part; for "huggingface" `split` is the HF split; for local
+    files it is ignored. `tokenizer` may be a Tokenizer or a tokenizer file path.
+    """
+    for label, value, low in [("seq_len", seq_len, 1), ("local_batch_size", local_batch_size, 1)]:
+        if value < low:
+            raise ValueError(f"{label} must be >= {low}, got {value}")
+    if dp_degree < 1 or not 0 <= dp_rank < dp_degree:
+        raise ValueError(
+            f"need dp_degree >= 1 and 0 <= dp_rank < dp_degree, got {dp_rank=}, {dp_degree=}"
+        )
+    if isinstance(tokenizer, str):
+        tokenizer = build_tokenizer(tokenizer)
+    source = build_source(
+        dataset=dataset,
+        dataset_path=dataset_path,
+        tokenizer=tokenizer,
+        seq_len=seq_len,
+        split=split,
+        text_field=text_field,
+        cache_dir=cache_dir or default_cache_dir(),
+    )
+    global_batch = local_batch_size * dp_degree
+    if not infinite and isinstance(source, PackedTokens) and source.num_sequences < global_batch:
+        logger.warning(
+            "%s holds %d sequences of seq_len=%d, fewer than one global batch (%d x dp %d): "
+            "a pass over it yields no batches; use a smaller batch or seq_len",
+            source.name,
+            source.num_sequences,
+            seq_len,
+            local_batch_size,
+            dp_degree,
+        )
+    return DPDataLoader(
+        source,
+        local_batch_size=local_batch_size,
+        dp_rank=dp_rank,
+        dp_degree=dp_degree,
+        infinite=infinite,
+    )
+
+
+def build_source(
+    *,
+    dataset: str,
+    dataset_path: str,
+    tokenizer: Tokenizer,
+    seq_len: int,
+    split: str,
+    text_field: str,
+    cache_dir: str,
+) -> SequenceSource:
+    """The global sequence stream of a dataset (tokenised into the cache for file sources)."""
+    if dataset == "sample":
+        if split not in ("train", "validation"):
+            raise ValueError(f"sample dataset split must be 'train' or 'validation', got {split!r}")
+        train, validation = ensure_sample_corpus(cache_dir)
+        files = [train if split == "train" else validation]
+        return _packed_files(
+            "jsonl", files, "text", tokenizer, seq_len, cache_dir, f"sample/{split}"
+        )
+    if dataset in FILE_EXTENSIONS:
+        files = resolve_files(dataset, dataset_path)
+        name = f"{dataset}:{dataset_path}"
+        return _packed_files(dataset, files, text_field, tokenizer, seq_len, cache_dir, name)
+    if dataset == "huggingface":
+        if not dataset_path:
+            raise ValueError("dataset 'huggingface' needs dataset_path: a hub name or local folder")
+        open_documents = open_hf_stream(dataset_path, split, text_field)
+        next(open_documents(0), None)  # fail now, not mid-training, on a missing text field
+        name = f"huggingface:{dataset_path}:{split}"
+        fingerprint = f"{name}:{text_field}:{tokenizer.fingerprint[:16]}"
+        return StreamedTokens(open_documents, tokenizer, seq_len, name, fingerprint)
+    raise ValueError(f"unknown dataset {dataset!r}; choose one of {', '.join(SUPPORTED_DATASETS)}")
+
+
+def _packed_files(
+    kind: str,
+    files: list[str],
+    text_field: str,
+    tokenizer: Tokenizer,
+    seq_len: int,
+    cache_dir: str,
+    name: str,
+) -> PackedTokens:
+    """Tokenise local files once (cached) and view them as packed sequences."""
+    identity = {
+        "kind": kind,
+        "files": file_identity(files),
+        "text_field": None if kind == "text" else text_field,
+    }
+    tokens, key = cached_token_file(
+        documents=lambda: iter_documents(kind, files, text_field),
+        identity=identity,
+        tokenizer=tokenizer,
+        cache_dir=cache_dir,
+        name=name,
+    )
+    return PackedTokens(tokens, seq_len, name, fingerprint=f"{name}:{key}")
+
+
+def _single_state(state: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Return the loader state, collapsing a mapping of identical per-rank states into one."""
+    if "consumed_sequences" in state:
+        return state
+    per_rank = list(state.values())
+    if per_rank and all(isinstance(s, Mapping) and "consumed_sequences" in s for s in per_rank):
+        if any(dict(s) != dict(per_rank[0]) for s in per_rank):
+            raise ValueError(
+                "per-rank data loader states differ; they should all hold the same global position"
+            )
+        return per_rank[0]
+    raise ValueError(f"not a data loader state (keys: {sorted(state)})")
