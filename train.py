@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from config import ConfigError, JobConfig, config_to_toml, help_text, parse_args
-from models import build_model_args, get_model_spec
+from models import build_model_args, get_model_spec, shape_overrides
 from parallelisms.parallel_dims import ParallelDims, ParallelismError, log_mesh
 from training.distributed import LaunchError, launch_env
 
@@ -87,7 +87,8 @@ def dry_run(cfg: JobConfig) -> None:
         vocab = build_tokenizer(cfg.model.tokenizer_path).vocab_size
     spec = get_model_spec(cfg.model.name)
     try:
-        args = build_model_args(cfg.model.name, cfg.model.flavor, cfg.training.seq_len, vocab)
+        args = build_model_args(cfg.model.name, cfg.model.flavor, cfg.training.seq_len, vocab,
+                                shape_overrides(cfg.model))
     except ValueError as e:
         raise ConfigError(str(e)) from None
     with torch.device("meta"):

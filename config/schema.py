@@ -35,6 +35,11 @@ class Model:
     flavor: str = opt("debugmodel", "Model size, a key of the family's flavors")
     tokenizer_path: str = opt("", "Tokenizer file (tiktoken BPE or sentencepiece); '' = the "
                               "bundled sample tokenizer, built on first use")
+    # Shape overrides (0 = the flavor's value): tiny models for tests and quick experiments.
+    dim: int = opt(0, "Override the flavor's model width (0 = the flavor's)", ge=0)
+    n_layers: int = opt(0, "Override the flavor's number of layers (0 = the flavor's)", ge=0)
+    n_heads: int = opt(0, "Override the flavor's attention heads (0 = the flavor's)", ge=0)
+    n_kv_heads: int = opt(0, "Override the flavor's key/value heads (0 = the flavor's)", ge=0)
 
 
 @dataclass

@@ -46,16 +46,25 @@ def get_model_spec(name: str) -> ModelSpec:
     return MODELS[name]
 
 
-def build_model_args(name: str, flavor: str, seq_len: int, vocab_size: int | None = None):
-    """The flavor's arguments with the run's sequence length and, when a tokenizer is loaded,
-    its vocabulary size."""
+SHAPE_OVERRIDES = ("dim", "n_layers", "n_heads", "n_kv_heads")
+
+
+def shape_overrides(model_cfg) -> dict[str, int]:
+    """The `[model]` shape overrides that are set (non-zero), for `build_model_args`."""
+    return {k: getattr(model_cfg, k) for k in SHAPE_OVERRIDES if getattr(model_cfg, k, 0)}
+
+
+def build_model_args(name: str, flavor: str, seq_len: int, vocab_size: int | None = None,
+                     overrides: dict[str, int] | None = None):
+    """The flavor's arguments with the run's sequence length, shape `overrides` (from
+    `shape_overrides`) and, when a tokenizer is loaded, its vocabulary size."""
     spec = get_model_spec(name)
     if flavor not in spec.flavors:
         raise ValueError(
             f"model.flavor = '{flavor}' is not a flavor of '{name}'. "
             f"Available: {', '.join(spec.flavors)}."
         )
-    args = dataclasses.replace(spec.flavors[flavor], max_seq_len=seq_len)
+    args = dataclasses.replace(spec.flavors[flavor], max_seq_len=seq_len, **(overrides or {}))
     if vocab_size is not None:
         args = dataclasses.replace(args, vocab_size=vocab_size)
     return args

@@ -18,7 +18,7 @@ from data.sample_corpus import default_cache_dir, ensure_sample_tokenizer
 from data.tokenizer import build_tokenizer
 from metrics import MetricsLogger, count_params, device_peak_flops, flops_per_token, throughput
 from metrics.memory import peak_memory_gib, reset_peak_memory
-from models import build_model_args, get_model_spec
+from models import build_model_args, get_model_spec, shape_overrides
 from parallelisms.fsdp import mixed_precision_dtypes
 from parallelisms.init_weights import init_weights
 from parallelisms.parallel_dims import ParallelDims, log_mesh
@@ -98,7 +98,7 @@ def run_training(cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, loca
 
     tokenizer = load_tokenizer(cfg)
     model_args = build_model_args(cfg.model.name, cfg.model.flavor, t.seq_len,
-                                  tokenizer.vocab_size)
+                                  tokenizer.vocab_size, shape_overrides(cfg.model))
     global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dp_degree
     accum_steps = global_batch // (t.local_batch_size * dp_degree)
     tokens_per_rank_step = t.local_batch_size * t.seq_len * accum_steps
