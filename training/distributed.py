@@ -51,11 +51,14 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
 
 
 def init_process_group(device: torch.device, world_size: int, timeout_s: int) -> None:
-    """NCCL for CUDA, gloo for CPU; a no-op for a single process."""
-    if world_size == 1 or dist.is_initialized():
+    """NCCL for CUDA, gloo for CPU. A plain `python train.py` gets a one-rank group on an
+    in-memory store, so the mesh, DTensor and DCP code paths are the same for every launch."""
+    if dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
+    if world_size == 1 and "MASTER_ADDR" not in os.environ:
+        kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
 
 

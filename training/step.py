@@ -17,7 +17,9 @@ class StepSetup:
     """What `train_step` needs besides the batch; built once by the trainer."""
 
     model_parts: list[nn.Module]
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # sum of token losses
+    # Token-loss sum divided by this rank's tokens per optimizer step: the micro-steps' terms
+    # add up to this rank's mean, and averaging gradients over DP ranks gives the global mean.
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     tokens_per_rank_step: int  # tokens this rank sees per optimizer step (all micro-steps)
     pp_schedule: object | None = None  # a torch.distributed.pipelining schedule
     pp_first_stage: bool = True
@@ -25,11 +27,6 @@ class StepSetup:
     loss_context: Callable[[], contextlib.AbstractContextManager] = field(
         default=contextlib.nullcontext
     )
-
-    def scaled_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Token-sum loss over this rank's tokens for the whole step: the micro-steps' terms add
-        up to this rank's mean, and averaging gradients over DP ranks gives the global mean."""
-        return self.loss_fn(logits, labels) / self.tokens_per_rank_step
 
 
 def _set_grad_sync(model_parts: list[nn.Module], enabled: bool) -> None:
@@ -47,7 +44,7 @@ def train_step(setup: StepSetup, microbatches: list[tuple[torch.Tensor, torch.Te
         _set_grad_sync(setup.model_parts, i == len(microbatches) - 1)
         with setup.loss_context():
             if setup.pp_schedule is None:
-                loss = setup.scaled_loss(setup.model_parts[0](inputs), labels)
+                loss = setup.loss_fn(setup.model_parts[0](inputs), labels)
                 loss.backward()
                 total += loss.detach()
             else:

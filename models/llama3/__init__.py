@@ -5,7 +5,7 @@ from models.llama3.model import ModelArgs, Transformer
 # Published Llama 3 / 3.1 shapes. `vocab_size` is replaced by the tokenizer's when one is loaded.
 llama3_flavors = {
     "debugmodel": ModelArgs(
-        dim=256, n_layers=6, n_heads=16, n_kv_heads=8, vocab_size=2048, multiple_of=256,
+        dim=256, n_layers=6, n_heads=16, n_kv_heads=8, vocab_size=4096, multiple_of=256,
         rope_theta=500000,
     ),
     "8B": ModelArgs(
