@@ -8,11 +8,9 @@ schedule -> checkpoint (resume) -> loop. The loop calls one step function whatev
 from __future__ import annotations
 
 import logging
-import math
 import os
 import signal
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +18,7 @@ import torch
 
 from config import ConfigError, JobConfig, config_to_toml, help_text, parse_args
 from models import build_model_args, get_model_spec, shape_overrides
-from parallelisms.parallel_dims import ParallelDims, ParallelismError, log_mesh
+from parallelisms.parallel_dims import ParallelDims, ParallelismError
 from training.distributed import LaunchError, launch_env
 
 logger = logging.getLogger("meshtrain")
@@ -61,9 +59,12 @@ def check_config(cfg: JobConfig, world_size: int) -> ParallelDims:
         )
     p = cfg.parallelism
     dims = ParallelDims.from_config(
-        world_size=world_size, dp_replicate=p.data_parallel_replicate_degree,
-        dp_shard=p.data_parallel_shard_degree, tp=p.tensor_parallel_degree,
-        pp=p.pipeline_parallel_degree, zero_stage=p.zero_stage,
+        world_size=world_size,
+        dp_replicate=p.data_parallel_replicate_degree,
+        dp_shard=p.data_parallel_shard_degree,
+        tp=p.tensor_parallel_degree,
+        pp=p.pipeline_parallel_degree,
+        zero_stage=p.zero_stage,
     )
     t = cfg.training
     per_micro = t.local_batch_size * dims.dp
@@ -87,8 +88,13 @@ def dry_run(cfg: JobConfig) -> None:
         vocab = build_tokenizer(cfg.model.tokenizer_path).vocab_size
     spec = get_model_spec(cfg.model.name)
     try:
-        args = build_model_args(cfg.model.name, cfg.model.flavor, cfg.training.seq_len, vocab,
-                                shape_overrides(cfg.model))
+        args = build_model_args(
+            cfg.model.name,
+            cfg.model.flavor,
+            cfg.training.seq_len,
+            vocab,
+            shape_overrides(cfg.model),
+        )
     except ValueError as e:
         raise ConfigError(str(e)) from None
     with torch.device("meta"):

@@ -197,7 +197,9 @@ def parse_args(argv: list[str]) -> JobConfig:
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--"):
-            raise ConfigError(f"Unexpected argument '{arg}': options look like --section.key value.")
+            raise ConfigError(
+                f"Unexpected argument '{arg}': options look like --section.key value."
+            )
         name, eq, value = arg[2:].partition("=")
         if not eq:
             nxt = argv[i + 1] if i + 1 < len(argv) else None
@@ -298,7 +300,7 @@ def help_text() -> str:
         "",
     ]
     cfg = JobConfig()
-    for section, sec_field in _fields(cfg).items():
+    for section in _fields(cfg):
         sec_obj = getattr(cfg, section)
         hints = _type_hints(type(sec_obj))
         out.append(f"[{section}]")

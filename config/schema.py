@@ -12,8 +12,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 
-def opt(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
-        le: float | None = None) -> Any:
+def opt(
+    default: Any,
+    help: str,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+) -> Any:
     """Declares one config option with its help text and optional numeric bounds."""
     meta = {"help": help, "ge": ge, "gt": gt, "le": le}
     if isinstance(default, list):
@@ -33,8 +39,11 @@ class Job:
 class Model:
     name: str = opt("llama3", "Model family, a key of the registry in models/__init__.py")
     flavor: str = opt("debugmodel", "Model size, a key of the family's flavors")
-    tokenizer_path: str = opt("", "Tokenizer file (tiktoken BPE or sentencepiece); '' = the "
-                              "bundled sample tokenizer, built on first use")
+    tokenizer_path: str = opt(
+        "",
+        "Tokenizer file (tiktoken BPE or sentencepiece); '' = the "
+        "bundled sample tokenizer, built on first use",
+    )
     # Shape overrides (0 = the flavor's value): tiny models for tests and quick experiments.
     dim: int = opt(0, "Override the flavor's model width (0 = the flavor's)", ge=0)
     n_layers: int = opt(0, "Override the flavor's number of layers (0 = the flavor's)", ge=0)
@@ -63,8 +72,10 @@ class Optimizer:
 class LRScheduler:
     warmup_steps: int = opt(200, "Linear warmup steps from ~0 to the peak LR", ge=0)
     decay_ratio: float | None = opt(
-        None, "Fraction of steps spent decaying at the end (None = all steps after warmup)",
-        ge=0, le=1,
+        None,
+        "Fraction of steps spent decaying at the end (None = all steps after warmup)",
+        ge=0,
+        le=1,
     )
     decay_type: Literal["linear", "sqrt", "cosine", "constant"] = opt(
         "linear", "Shape of the decay after warmup"
@@ -74,14 +85,17 @@ class LRScheduler:
 
 @dataclass
 class Training:
-    dataset: str = opt("sample", "Data source: sample (bundled corpus), text, jsonl, parquet, "
-                       "huggingface")
+    dataset: str = opt(
+        "sample", "Data source: sample (bundled corpus), text, jsonl, parquet, huggingface"
+    )
     dataset_path: str = opt("", "File, glob or folder (text/jsonl/parquet) or HF dataset name")
     dataset_text_field: str = opt("text", "Field holding the text in jsonl/parquet/HF records")
     local_batch_size: int = opt(8, "Sequences per rank per micro-step", ge=1)
     global_batch_size: int = opt(
-        -1, "Sequences per optimizer step over all ranks (-1 = local_batch_size x DP degree); "
-        "a multiple of local_batch_size x DP degree enables gradient accumulation", ge=-1
+        -1,
+        "Sequences per optimizer step over all ranks (-1 = local_batch_size x DP degree); "
+        "a multiple of local_batch_size x DP degree enables gradient accumulation",
+        ge=-1,
     )
     seq_len: int = opt(2048, "Tokens per sequence", ge=2)
     steps: int = opt(10000, "Optimizer steps to train", ge=1)
@@ -100,13 +114,19 @@ class Training:
 @dataclass
 class Parallelism:
     data_parallel_replicate_degree: int = opt(1, "HSDP replica groups (DDP across them)", ge=1)
-    data_parallel_shard_degree: int = opt(-1, "FSDP shard group size (-1 = whatever is left)",
-                                          ge=-1)
+    data_parallel_shard_degree: int = opt(
+        -1, "FSDP shard group size (-1 = whatever is left)", ge=-1
+    )
     tensor_parallel_degree: int = opt(1, "Tensor-parallel degree", ge=1)
     context_parallel_degree: int = opt(1, "Context-parallel degree (reserved: must be 1)", ge=1)
     pipeline_parallel_degree: int = opt(1, "Pipeline-parallel degree", ge=1)
-    zero_stage: int = opt(3, "ZeRO stage for data parallelism: 0 DDP, 1 optimizer state "
-                          "sharded, 2 + gradients, 3 + parameters (FSDP2)", ge=0, le=3)
+    zero_stage: int = opt(
+        3,
+        "ZeRO stage for data parallelism: 0 DDP, 1 optimizer state "
+        "sharded, 2 + gradients, 3 + parameters (FSDP2)",
+        ge=0,
+        le=3,
+    )
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = opt(
         "default", "Free gathered parameters after forward (default: yes except the root/PP)"
     )

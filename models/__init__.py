@@ -36,13 +36,17 @@ def _llama3_pipeline(*args, **kwargs):
 
 
 MODELS: dict[str, ModelSpec] = {
-    "llama3": ModelSpec("llama3", Transformer, llama3_flavors, _llama3_parallelize, _llama3_pipeline),
+    "llama3": ModelSpec(
+        "llama3", Transformer, llama3_flavors, _llama3_parallelize, _llama3_pipeline
+    ),
 }
 
 
 def get_model_spec(name: str) -> ModelSpec:
     if name not in MODELS:
-        raise ValueError(f"model.name = '{name}' is not registered. Known models: {', '.join(MODELS)}.")
+        raise ValueError(
+            f"model.name = '{name}' is not registered. Known models: {', '.join(MODELS)}."
+        )
     return MODELS[name]
 
 
@@ -54,8 +58,13 @@ def shape_overrides(model_cfg) -> dict[str, int]:
     return {k: getattr(model_cfg, k) for k in SHAPE_OVERRIDES if getattr(model_cfg, k, 0)}
 
 
-def build_model_args(name: str, flavor: str, seq_len: int, vocab_size: int | None = None,
-                     overrides: dict[str, int] | None = None):
+def build_model_args(
+    name: str,
+    flavor: str,
+    seq_len: int,
+    vocab_size: int | None = None,
+    overrides: dict[str, int] | None = None,
+):
     """The flavor's arguments with the run's sequence length, shape `overrides` (from
     `shape_overrides`) and, when a tokenizer is loaded, its vocabulary size."""
     spec = get_model_spec(name)

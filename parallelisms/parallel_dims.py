@@ -33,7 +33,13 @@ class ParallelDims:
 
     @classmethod
     def from_config(
-        cls, *, world_size: int, dp_replicate: int, dp_shard: int, tp: int, pp: int,
+        cls,
+        *,
+        world_size: int,
+        dp_replicate: int,
+        dp_shard: int,
+        tp: int,
+        pp: int,
         zero_stage: int = 3,
     ) -> ParallelDims:
         """Resolves dp_shard = -1 and checks that the degrees multiply to the world size."""
@@ -82,8 +88,12 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """One `init_device_mesh` call for all named dimensions, plus the flattened views."""
-        dims = [("pp", self.pp), ("dp_replicate", self.dp_replicate),
-                ("dp_shard", self.dp_shard), ("tp", self.tp)]
+        dims = [
+            ("pp", self.pp),
+            ("dp_replicate", self.dp_replicate),
+            ("dp_shard", self.dp_shard),
+            ("tp", self.tp),
+        ]
         names = tuple(n for n, d in dims if d > 1) or ("dp_shard",)
         shape = tuple(d for n, d in dims if d > 1) or (1,)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)

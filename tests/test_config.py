@@ -27,16 +27,24 @@ def test_every_preset_loads(name):
 
 
 def test_overrides_of_every_type():
-    cfg = parse_args([
-        "--config", "debug_model",
-        "--training.steps", "7",
-        "--optimizer.lr=0.01",
-        "--metrics.enable_tensorboard", "false",
-        "--job.dry_run",
-        "--compile.components", "model",
-        "--optimizer.no_decay_patterns", "[\"norm\", \"bias\"]",
-        "--lr_scheduler.decay_ratio", "none",
-    ])
+    cfg = parse_args(
+        [
+            "--config",
+            "debug_model",
+            "--training.steps",
+            "7",
+            "--optimizer.lr=0.01",
+            "--metrics.enable_tensorboard",
+            "false",
+            "--job.dry_run",
+            "--compile.components",
+            "model",
+            "--optimizer.no_decay_patterns",
+            '["norm", "bias"]',
+            "--lr_scheduler.decay_ratio",
+            "none",
+        ]
+    )
     assert cfg.training.steps == 7
     assert cfg.optimizer.lr == 0.01
     assert cfg.metrics.enable_tensorboard is False
@@ -63,10 +71,19 @@ def test_int_is_accepted_for_float():
         (["--config", "nope_model"], "Config 'nope_model' not found"),
         (["--steps", "3"], "must name a section and a key"),
         (["steps"], "Unexpected argument 'steps'"),
-        (["--training.global_batch_size", "12", "--training.local_batch_size", "8"],
-         "must be a multiple of training.local_batch_size"),
-        (["--activation_checkpoint.mode", "selective",
-          "--activation_checkpoint.selective_ac_option", "x"], "expected 'op' or a positive"),
+        (
+            ["--training.global_batch_size", "12", "--training.local_batch_size", "8"],
+            "must be a multiple of training.local_batch_size",
+        ),
+        (
+            [
+                "--activation_checkpoint.mode",
+                "selective",
+                "--activation_checkpoint.selective_ac_option",
+                "x",
+            ],
+            "expected 'op' or a positive",
+        ),
         (["--parallelism.context_parallel_degree", "2"], "context parallelism is reserved"),
     ],
 )
@@ -115,8 +132,14 @@ def test_help_lists_every_option_with_default():
 
 
 def _train(*args, **kw):
-    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, **kw)
+    return subprocess.run(
+        [sys.executable, "train.py", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        **kw,
+    )
 
 
 def test_train_cli_help_and_errors_before_any_work():

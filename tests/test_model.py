@@ -24,14 +24,16 @@ def ref_rope(x, theta):
 def test_rope_matches_complex_reference():
     args = ModelArgs(dim=64, n_heads=4, max_seq_len=16, rope_theta=10000.0)
     x = torch.randn(2, 16, 4, 16)
-    torch.testing.assert_close(apply_rope(x, rope_table(args)), ref_rope(x, 10000.0).float(),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        apply_rope(x, rope_table(args)), ref_rope(x, 10000.0).float(), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_llama31_rope_scaling_only_touches_low_frequencies():
     plain = rope_frequencies(ModelArgs(dim=512, n_heads=4, rope_theta=500000.0))
-    scaled = rope_frequencies(ModelArgs(dim=512, n_heads=4, rope_theta=500000.0,
-                                        use_scaled_rope=True))
+    scaled = rope_frequencies(
+        ModelArgs(dim=512, n_heads=4, rope_theta=500000.0, use_scaled_rope=True)
+    )
     wavelen = 2 * math.pi / plain
     high = wavelen < 8192 / 4  # short wavelengths are kept
     low = wavelen > 8192  # long ones are divided by the scale factor 8
@@ -101,8 +103,9 @@ def test_build_model_args_uses_tokenizer_vocab_and_seq_len():
 
 
 def _tiny_args():
-    return ModelArgs(dim=32, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=50,
-                     multiple_of=16, max_seq_len=16)
+    return ModelArgs(
+        dim=32, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=50, multiple_of=16, max_seq_len=16
+    )
 
 
 def test_meta_init_is_deterministic_and_follows_the_rules():

@@ -43,8 +43,17 @@ def test_lr_scheduler_drives_the_optimizer():
 
 def _tiny_model(seed=0):
     with torch.device("meta"):
-        m = Transformer(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64,
-                                  multiple_of=16, max_seq_len=16))
+        m = Transformer(
+            ModelArgs(
+                dim=32,
+                n_layers=2,
+                n_heads=4,
+                n_kv_heads=2,
+                vocab_size=64,
+                multiple_of=16,
+                max_seq_len=16,
+            )
+        )
     m.to_empty(device="cpu")
     init_weights(m, seed)
     m.init_buffers("cpu")
@@ -69,8 +78,11 @@ def _run_steps(batch_split, steps=3):
     cfg = parse_args(["--optimizer.lr", "0.01"])
     opt = build_optimizer([m], cfg.optimizer, "cpu")
     tokens = 8 * 16
-    setup = StepSetup(model_parts=[m], loss_fn=lambda lg, lb: cross_entropy_sum(lg, lb) / tokens,
-                      tokens_per_rank_step=tokens)
+    setup = StepSetup(
+        model_parts=[m],
+        loss_fn=lambda lg, lb: cross_entropy_sum(lg, lb) / tokens,
+        tokens_per_rank_step=tokens,
+    )
     losses = []
     for s in range(steps):
         micro = [(c[:, :-1], c[:, 1:]) for c in data[s].split(batch_split)]

@@ -38,8 +38,9 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
     """`auto` = this rank's CUDA device when GPUs are present, else the CPU."""
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise LaunchError("training.device = 'cuda' but no CUDA device is visible; use "
-                              "--training.device cpu.")
+            raise LaunchError(
+                "training.device = 'cuda' but no CUDA device is visible; use --training.device cpu."
+            )
         if local_rank >= torch.cuda.device_count():
             raise LaunchError(
                 f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "

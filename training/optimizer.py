@@ -41,8 +41,14 @@ def build_optimizer(model_parts: list[nn.Module], cfg, device_type: str) -> torc
     return torch.optim.Adam(groups, **kwargs)
 
 
-def lr_factor(step: int, total_steps: int, warmup: int, decay_ratio: float | None,
-              decay_type: str, min_lr_factor: float) -> float:
+def lr_factor(
+    step: int,
+    total_steps: int,
+    warmup: int,
+    decay_ratio: float | None,
+    decay_type: str,
+    min_lr_factor: float,
+) -> float:
     """LR multiplier for optimizer step `step` (1-based): warmup, flat, then decay.
 
     Warmup rises linearly to 1 over `warmup` steps (step 1 gets 1/(warmup+1), never 0). The
@@ -69,6 +75,7 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int):
     """LambdaLR whose internal counter starts at 0; `lr_factor` sees the 1-based step."""
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer,
-        lambda s: lr_factor(s + 1, total_steps, cfg.warmup_steps, cfg.decay_ratio,
-                            cfg.decay_type, cfg.min_lr_factor),
+        lambda s: lr_factor(
+            s + 1, total_steps, cfg.warmup_steps, cfg.decay_ratio, cfg.decay_type, cfg.min_lr_factor
+        ),
     )

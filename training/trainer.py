@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from config import JobConfig
 from data.dataloader import build_dataloader
@@ -86,8 +85,9 @@ def build_model_parts(cfg, parallel_dims, model_args, device, loss_fn):
     return model_parts, schedule, first, last
 
 
-def run_training(cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, local_rank: int,
-                 stop) -> TrainState:
+def run_training(
+    cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, local_rank: int, stop
+) -> TrainState:
     t = cfg.training
     device = pick_device(t.device, local_rank)
     init_process_group(device, parallel_dims.world_size, cfg.comm.init_timeout_seconds)
@@ -97,9 +97,16 @@ def run_training(cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, loca
     dp_rank, dp_degree = parallel_dims.coordinate("dp")
 
     tokenizer = load_tokenizer(cfg)
-    model_args = build_model_args(cfg.model.name, cfg.model.flavor, t.seq_len,
-                                  tokenizer.vocab_size, shape_overrides(cfg.model))
-    global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dp_degree
+    model_args = build_model_args(
+        cfg.model.name,
+        cfg.model.flavor,
+        t.seq_len,
+        tokenizer.vocab_size,
+        shape_overrides(cfg.model),
+    )
+    global_batch = (
+        t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dp_degree
+    )
     accum_steps = global_batch // (t.local_batch_size * dp_degree)
     tokens_per_rank_step = t.local_batch_size * t.seq_len * accum_steps
 
@@ -114,10 +121,12 @@ def run_training(cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, loca
         with torch.device("meta"):
             n_params = count_params(get_model_spec(cfg.model.name).model_cls(model_args))
     with torch.device("meta"):
-        n_no_emb = count_params(get_model_spec(cfg.model.name).model_cls(model_args),
-                                exclude_embedding=True)
-    fpt = flops_per_token(n_no_emb, model_args.n_layers, model_args.n_heads,
-                          model_args.head_dim, t.seq_len)
+        n_no_emb = count_params(
+            get_model_spec(cfg.model.name).model_cls(model_args), exclude_embedding=True
+        )
+    fpt = flops_per_token(
+        n_no_emb, model_args.n_layers, model_args.n_heads, model_args.head_dim, t.seq_len
+    )
     compute_dtype = torch.float32
     if parallel_dims.dp_enabled:  # mixed precision is applied by FSDP
         compute_dtype = mixed_precision_dtypes(t, device.type)[0]
@@ -125,23 +134,45 @@ def run_training(cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, loca
     logger.info(
         "model %s %s: %s parameters, %.2f GFLOP/token; global batch %d sequences "
         "(%d x %d DP ranks x %d accumulation steps); peak %.1f TFLOP/s (%s)",
-        cfg.model.name, cfg.model.flavor, f"{n_params:,}", fpt / 1e9, global_batch,
-        t.local_batch_size, dp_degree, accum_steps, peak / 1e12, peak_src,
+        cfg.model.name,
+        cfg.model.flavor,
+        f"{n_params:,}",
+        fpt / 1e9,
+        global_batch,
+        t.local_batch_size,
+        dp_degree,
+        accum_steps,
+        peak / 1e12,
+        peak_src,
     )
 
     train_loader = build_dataloader(
-        dataset=t.dataset, dataset_path=t.dataset_path, tokenizer=tokenizer, seq_len=t.seq_len,
-        local_batch_size=t.local_batch_size, dp_rank=dp_rank, dp_degree=dp_degree,
-        split="train", text_field=t.dataset_text_field, cache_dir=default_cache_dir(),
+        dataset=t.dataset,
+        dataset_path=t.dataset_path,
+        tokenizer=tokenizer,
+        seq_len=t.seq_len,
+        local_batch_size=t.local_batch_size,
+        dp_rank=dp_rank,
+        dp_degree=dp_degree,
+        split="train",
+        text_field=t.dataset_text_field,
+        cache_dir=default_cache_dir(),
     )
     val_loader = None
     if cfg.validation.enable:
         v = cfg.validation
         val_loader = build_dataloader(
-            dataset=v.dataset or t.dataset, dataset_path=v.dataset_path or t.dataset_path,
-            tokenizer=tokenizer, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
-            dp_rank=dp_rank, dp_degree=dp_degree, split="validation",
-            text_field=t.dataset_text_field, cache_dir=default_cache_dir(), infinite=False,
+            dataset=v.dataset or t.dataset,
+            dataset_path=v.dataset_path or t.dataset_path,
+            tokenizer=tokenizer,
+            seq_len=t.seq_len,
+            local_batch_size=t.local_batch_size,
+            dp_rank=dp_rank,
+            dp_degree=dp_degree,
+            split="validation",
+            text_field=t.dataset_text_field,
+            cache_dir=default_cache_dir(),
+            infinite=False,
         )
 
     optimizer = build_optimizer(model_parts, cfg.optimizer, device.type)
@@ -152,23 +183,36 @@ def run_training(cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, loca
         from checkpoint.manager import CheckpointManager
 
         checkpointer = CheckpointManager(
-            cfg, model_parts=model_parts, optimizer=optimizer, lr_scheduler=lr_scheduler,
-            dataloader=train_loader, train_state=state, parallel_dims=parallel_dims,
+            cfg,
+            model_parts=model_parts,
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dataloader=train_loader,
+            train_state=state,
+            parallel_dims=parallel_dims,
         )
         checkpointer.load()
 
     setup = StepSetup(
-        model_parts=model_parts, loss_fn=step_loss, tokens_per_rank_step=tokens_per_rank_step,
-        pp_schedule=schedule, pp_first_stage=first, pp_last_stage=last,
+        model_parts=model_parts,
+        loss_fn=step_loss,
+        tokens_per_rank_step=tokens_per_rank_step,
+        pp_schedule=schedule,
+        pp_first_stage=first,
+        pp_last_stage=last,
         loss_context=contextlib.nullcontext,
     )
     params = [p for part in model_parts for p in part.parameters()]
     pp_group = parallel_dims.dim("pp").get_group() if parallel_dims.pp_enabled else None
     loss_replicas = parallel_dims.world_size // parallel_dims.pp  # ranks per loss value x DP
     is_logger = rank == 0
-    metrics = MetricsLogger(cfg.job.dump_folder, rank, enabled=is_logger,
-                            enable_tensorboard=cfg.metrics.enable_tensorboard,
-                            tb_folder=cfg.metrics.save_tb_folder)
+    metrics = MetricsLogger(
+        cfg.job.dump_folder,
+        rank,
+        enabled=is_logger,
+        enable_tensorboard=cfg.metrics.enable_tensorboard,
+        tb_folder=cfg.metrics.save_tb_folder,
+    )
     set_collective_timeout(cfg.comm.train_timeout_seconds)
     data_iter = iter(train_loader)
     first_bad = torch.full((), -1, dtype=torch.long, device=device)
@@ -183,8 +227,9 @@ def run_training(cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, loca
             micro = []
             for _ in range(accum_steps):
                 inputs, labels = next(data_iter)
-                micro.append((inputs.to(device, non_blocking=True),
-                              labels.to(device, non_blocking=True)))
+                micro.append(
+                    (inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True))
+                )
             t_data = time.perf_counter() - t0
             loss = train_step(setup, micro)
             grad_norm = clip_grad_norm_(params, t.max_norm, pp_group)
@@ -233,9 +278,11 @@ def run_training(cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, loca
                     )
             if val_loader is not None and state.step % cfg.validation.freq == 0:
                 val_loss = evaluate(setup, val_loader, cfg.validation.steps, device)
-                metrics.log(state.step, {"loss": val_loss,
-                                         "perplexity": math.exp(min(val_loss, 50.0))},
-                            kind="validation")
+                metrics.log(
+                    state.step,
+                    {"loss": val_loss, "perplexity": math.exp(min(val_loss, 50.0))},
+                    kind="validation",
+                )
             if checkpointer is not None:
                 if checkpointer.due(state.step) and _first_bad_step(first_bad, device) >= 0:
                     raise NonFiniteError(

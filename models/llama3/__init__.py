@@ -5,20 +5,41 @@ from models.llama3.model import ModelArgs, Transformer
 # Published Llama 3 / 3.1 shapes. `vocab_size` is replaced by the tokenizer's when one is loaded.
 llama3_flavors = {
     "debugmodel": ModelArgs(
-        dim=256, n_layers=6, n_heads=16, n_kv_heads=8, vocab_size=4096, multiple_of=256,
+        dim=256,
+        n_layers=6,
+        n_heads=16,
+        n_kv_heads=8,
+        vocab_size=4096,
+        multiple_of=256,
         rope_theta=500000,
     ),
     "8B": ModelArgs(
-        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3,
-        multiple_of=1024, rope_theta=500000,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.3,
+        multiple_of=1024,
+        rope_theta=500000,
     ),
     "70B": ModelArgs(
-        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3,
-        multiple_of=4096, rope_theta=500000,
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.3,
+        multiple_of=4096,
+        rope_theta=500000,
     ),
     "405B": ModelArgs(
-        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2,
-        multiple_of=4096, rope_theta=500000, use_scaled_rope=True,
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.2,
+        multiple_of=4096,
+        rope_theta=500000,
+        use_scaled_rope=True,
     ),
 }
 

@@ -1,0 +1,172 @@
+"""End-to-end runs of train.py: 2 CPU ranks under torchrun, determinism, NaN guard, SIGTERM."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = [
+    "--config",
+    "debug_model",
+    "--model.dim",
+    "64",
+    "--model.n_layers",
+    "2",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "2",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "4",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--metrics.log_freq",
+    "1",
+]
+
+
+def launch(dump: Path, *args, nproc: int = 1, wait: bool = True, timeout: int = 300):
+    cmd = [sys.executable, "train.py", *TINY, "--job.dump_folder", str(dump), *args]
+    if nproc > 1:
+        cmd[1:2] = [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "train.py",
+        ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if not wait:
+        return subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return out
+
+
+def records(dump: Path, kind: str = "train") -> list[dict]:
+    lines = (dump / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def test_two_rank_run_learns_and_writes_every_output(tmp_path):
+    dump = tmp_path / "run"
+    out = launch(
+        dump,
+        "--training.steps",
+        "20",
+        "--optimizer.lr",
+        "3e-3",
+        "--validation.freq",
+        "10",
+        "--validation.steps",
+        "2",
+        nproc=2,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    train = records(dump)
+    assert [r["step"] for r in train] == list(range(1, 21))
+    for key in (
+        "loss",
+        "grad_norm",
+        "lr",
+        "tokens_per_sec",
+        "tflops",
+        "mfu",
+        "memory_gib",
+        "step_time_s",
+        "data_time_s",
+    ):
+        assert all(isinstance(r[key], (int, float)) for r in train), key
+    first, last = train[0]["loss"], sum(r["loss"] for r in train[-3:]) / 3
+    assert 7.5 < first < 10.0  # about ln(4096) = 8.3 at init
+    assert last < first - 1.0, (first, last)
+    val = records(dump, "validation")
+    assert [r["step"] for r in val] == [10, 20]
+    assert val[1]["loss"] < val[0]["loss"]
+    assert "global batch 8 sequences (4 x 2 DP ranks" in (dump / "logs/rank_0.log").read_text()
+    assert (dump / "logs/rank_1.log").exists()
+    resolved = (dump / "config.toml").read_text()
+    assert "steps = 20" in resolved and "[parallelism]" in resolved
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(dump / "tb"))
+    acc.Reload()
+    tb_loss = [e.value for e in acc.Scalars("train/loss")]
+    assert tb_loss == pytest.approx([r["loss"] for r in train], rel=1e-6)
+    assert len(acc.Scalars("validation/loss")) == 2
+
+
+def test_deterministic_runs_are_bit_identical(tmp_path):
+    args = (
+        "--training.steps",
+        "4",
+        "--debug.deterministic",
+        "true",
+        "--validation.enable",
+        "false",
+    )
+    a = launch(tmp_path / "a", *args)
+    b = launch(tmp_path / "b", *args)
+    assert a.returncode == 0 and b.returncode == 0, a.stdout + a.stderr
+    la = [(r["loss"], r["grad_norm"]) for r in records(tmp_path / "a")]
+    lb = [(r["loss"], r["grad_norm"]) for r in records(tmp_path / "b")]
+    assert la == lb
+
+
+def test_non_finite_loss_stops_the_run_naming_the_step(tmp_path):
+    # A huge LR makes the weights ~1e30 after step 1, so step 2's forward overflows to NaN.
+    out = launch(
+        tmp_path / "nan",
+        "--training.steps",
+        "10",
+        "--optimizer.lr",
+        "1e30",
+        "--training.max_norm",
+        "0",
+        "--validation.enable",
+        "false",
+    )
+    assert out.returncode == 1
+    assert "non-finite loss or gradient norm at step 2" in out.stdout
+    train = records(tmp_path / "nan")
+    assert [r["step"] for r in train] == [1, 2]  # logged first, then stopped
+
+
+def test_sigterm_stops_cleanly_at_a_step_boundary(tmp_path):
+    dump = tmp_path / "term"
+    proc = launch(
+        dump, "--training.steps", "10000", "--validation.enable", "false", nproc=2, wait=False
+    )
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if (dump / "metrics.jsonl").exists() and len(records(dump)) >= 2:
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail("the run never logged two steps")
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    for rank in (0, 1):
+        log = (dump / f"logs/rank_{rank}.log").read_text()
+        assert "stopping at step" in log, log[-2000:]
+        assert "done:" in log
