@@ -19,6 +19,7 @@ import torch
 from config import ConfigError, JobConfig, config_to_toml, help_text, parse_args
 from models import build_model_args, get_model_spec, shape_overrides
 from parallelisms.parallel_dims import ParallelDims, ParallelismError
+from parallelisms.tensor_parallel import check_tp
 from training.distributed import LaunchError, launch_env
 
 logger = logging.getLogger("meshtrain")
@@ -74,6 +75,15 @@ def check_config(cfg: JobConfig, world_size: int) -> ParallelDims:
             f"local_batch_size ({t.local_batch_size}) x data-parallel degree ({dims.dp}) = "
             f"{per_micro}; the quotient is the number of gradient-accumulation steps."
         )
+    if t.enable_cpu_offload and not (dims.dp_enabled and dims.zero_stage == 3):
+        raise ConfigError(
+            "training.enable_cpu_offload = true needs FSDP: zero_stage = 3 and a "
+            f"data-parallel degree > 1 (got zero_stage {dims.zero_stage}, DP degree {dims.dp})."
+        )
+    args = build_model_args(
+        cfg.model.name, cfg.model.flavor, t.seq_len, None, shape_overrides(cfg.model)
+    )
+    check_tp(args.n_heads, args.kv_heads, t.seq_len, dims.tp)
     return dims
 
 
@@ -153,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         text = config_to_toml(cfg)
         Path(cfg.job.dump_folder, "config.toml").write_text(text)
         logger.info("resolved config (also in %s/config.toml):\n%s", cfg.job.dump_folder, text)
+    if cfg.job.description:
+        logger.info("job: %s", cfg.job.description)
 
     from training.trainer import NonFiniteError, run_training  # heavy imports after the checks
 

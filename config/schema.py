@@ -108,7 +108,6 @@ class Training:
     )
     device: Literal["auto", "cuda", "cpu"] = opt("auto", "auto = CUDA when present, else CPU")
     enable_cpu_offload: bool = opt(False, "Keep FSDP parameters/grads/optimizer state on host")
-    data_num_workers: int = opt(0, "Background worker processes for data loading", ge=0)
 
 
 @dataclass
@@ -146,6 +145,35 @@ class Checkpoint:
     enable: bool = opt(False, "Save checkpoints and resume from the latest one")
     folder: str = opt("checkpoint", "Checkpoint folder, relative to job.dump_folder")
     interval: int = opt(500, "Save every this many steps (and at the last step)", ge=1)
+    keep_latest_k: int = opt(
+        0, "Keep only the newest k checkpoints (0 = keep all); older ones are deleted only "
+        "after a newer one is complete", ge=0
+    )
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = opt(
+        "disabled", "disabled: save blocks training; async: stage a CPU copy, write in the "
+        "background; async_with_pinned_mem: async with pinned-memory staging (CUDA only, "
+        "else async)"
+    )
+    load_step: int = opt(-1, "Resume from this step's checkpoint (-1 = the latest)", ge=-1)
+    model_only: bool = opt(False, "At the last step also export the weights only, in "
+                           "export_dtype, to <folder>/export-step-N")
+    export_dtype: Literal["float32", "bfloat16", "float16"] = opt(
+        "float32", "Dtype of the model_only export"
+    )
+    exclude_from_loading: list[
+        Literal["model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng"]
+    ] = opt([], "Components not restored on resume, e.g. ['dataloader', 'lr_scheduler']")
+    create_seed_checkpoint: bool = opt(
+        False, "Initialise the full model once (one process, CPU), save it as the step-0 "
+        "model-only checkpoint in the folder, and exit"
+    )
+    initial_load_path: str = opt(
+        "", "Checkpoint (or folder of step-N checkpoints) to start from when the run's own "
+        "folder has none, e.g. a model converted by scripts/convert_from_hf.py"
+    )
+    initial_load_model_only: bool = opt(
+        True, "Load only the weights from initial_load_path (not optimizer, data, step)"
+    )
 
 
 @dataclass
