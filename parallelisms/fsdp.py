@@ -1,4 +1,23 @@
-"""FSDP2 (`fully_shard`) over the data-parallel mesh: ZeRO-3 with per-block wrapping."""
+"""Data parallelism: FSDP2 (`fully_shard`, ZeRO-3, also HSDP) and the ZeRO stage dispatch.
+
+How each `parallelism.zero_stage` holds memory (fp32, Psi parameters, N data-parallel ranks,
+Adam; bytes per rank after a step):
+
+  stage 0  `apply_zero(stage=0)`  DDP: full params, full all-reduced grads, full Adam state
+           = 4 Psi + 4 Psi + 8 Psi
+  stage 1  `apply_zero(stage=1)`  full params and full all-reduced grads; the optimizer sees
+           `Shard(0)` DTensor views of the params and grads, so Adam state is 1/N
+           = 4 Psi + 4 Psi + 8 Psi / N
+  stage 2  `apply_zero(stage=2)`  full params; each grad is reduce-scattered as backward
+           produces it and only the shard is kept = 4 Psi + (4 + 8) Psi / N
+  stage 3  `fully_shard` below    params, grads and Adam state all sharded = 16 Psi / N
+
+Why stages 1-2 are not FSDP2 with resharding disabled: FSDP2 always keeps its sharded
+parameter *and* the all-gathered unsharded one, so `reshard_after_forward=False` +
+`set_reshard_after_backward(False)` holds 4 Psi + 4 Psi / N of parameters; in fp32 the extra
+shard is a redundant copy (with bf16 it plays the paper's fp32 master weights, which
+`apply_zero` keeps too). `apply_zero` makes the shard a view into the full parameter instead.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +26,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from parallelisms.parallel_dims import ParallelDims
+from parallelisms.zero import apply_zero
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -20,6 +41,13 @@ def mixed_precision_dtypes(training_cfg, device_type: str) -> tuple[torch.dtype,
     return _DTYPES[param], _DTYPES[training_cfg.mixed_precision_reduce]
 
 
+def fsdp_mesh(parallel_dims: ParallelDims) -> DeviceMesh:
+    """The mesh FSDP shards over: 2-D ("dp_replicate", "dp_shard") for HSDP, else 1-D."""
+    names = parallel_dims.mesh.mesh_dim_names or ()
+    dp_names = tuple(n for n in ("dp_replicate", "dp_shard") if n in names)
+    return parallel_dims.mesh[dp_names]
+
+
 def apply_fsdp(
     model: nn.Module,
     dp_mesh: DeviceMesh,
@@ -28,13 +56,17 @@ def apply_fsdp(
     reduce_dtype: torch.dtype,
     reshard_after_forward: str = "default",
     cpu_offload: bool = False,
+    pp_enabled: bool = False,
 ) -> nn.Module:
-    """Shards each transformer block, then the root (embeddings, final norm, output).
+    """ZeRO-3: shards each transformer block, then the root (embeddings, final norm, output).
 
     Per-block wrapping keeps each all-gather one block wide so it overlaps the previous
     block's compute. `reshard_after_forward`: "always" frees gathered weights after forward
-    (re-gathered in backward), "never" keeps them (ZeRO-2-like memory for speed), "default"
-    frees them except for the last block, whose backward starts right away.
+    (re-gathered in backward), "never" keeps them until backward (no re-gather, more memory),
+    "default" frees them except for the last block, whose backward starts right away, and
+    never under pipeline parallelism, whose schedules run many forwards before backwards.
+    On a 2-D mesh this is HSDP: shard over "dp_shard", replicate (all-reduce) over
+    "dp_replicate".
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     kwargs = {"mesh": dp_mesh, "mp_policy": mp}
@@ -43,9 +75,36 @@ def apply_fsdp(
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         if reshard_after_forward == "default":
-            reshard = i < len(blocks) - 1
+            reshard = not pp_enabled and i < len(blocks) - 1
         else:
             reshard = reshard_after_forward == "always"
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
+    # The root's own parameters (embeddings, norm, output) are used last in forward and first
+    # in backward, so keeping them gathered between the two costs little memory.
     fully_shard(model, reshard_after_forward=reshard_after_forward == "always", **kwargs)
     return model
+
+
+def apply_data_parallel(
+    model: nn.Module, parallel_dims: ParallelDims, job_config, device_type: str
+) -> nn.Module:
+    """Applies `parallelism.zero_stage` over the data-parallel mesh (see the module doc)."""
+    t, p = job_config.training, job_config.parallelism
+    param_dtype, reduce_dtype = mixed_precision_dtypes(t, device_type)
+    if parallel_dims.zero_stage == 3:
+        return apply_fsdp(
+            model,
+            fsdp_mesh(parallel_dims),
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            reshard_after_forward=p.fsdp_reshard_after_forward,
+            cpu_offload=t.enable_cpu_offload,
+            pp_enabled=parallel_dims.pp_enabled,
+        )
+    return apply_zero(
+        model,
+        parallel_dims.dim("dp"),
+        parallel_dims.zero_stage,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+    )

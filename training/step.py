@@ -60,17 +60,34 @@ def train_step(setup: StepSetup, microbatches: list[tuple[torch.Tensor, torch.Te
 def clip_grad_norm_(
     parameters: list[torch.Tensor], max_norm: float, pp_group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
-    """Clips to the true global L2 norm across every mesh dimension and pipeline stage."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()  # reduces partial norms over the DP/TP dimensions
+    """Clips to the true global L2 norm across every mesh dimension and pipeline stage.
+
+    Gradients are grouped by kind (plain tensors, and DTensors per mesh and placements: e.g.
+    FSDP x TP shards, ZeRO-1/2 shards, TP-only replicas), each group's norm is completed over
+    its mesh (`full_tensor` sums the shards' squares), and the groups' squares are added."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            g = p.grad
+            key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
+            groups.setdefault(key, []).append(p)
+    norms = []
+    for params in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not norms:  # e.g. a pipeline stage without gradients still joins the PP reduction
+        norm = torch.zeros((), device=parameters[0].device if parameters else None)
+    elif len(norms) == 1:
+        norm = norms[0]
+    else:
+        norm = torch.stack([n.float() for n in norms]).norm()
     if pp_group is not None:
         norm = norm**2
         dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=pp_group)
         norm = norm.sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm, foreach=True)
+        for params in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
     return norm
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor.parallel import loss_parallel
 
 from config import JobConfig
 from data.dataloader import build_dataloader
@@ -18,8 +19,10 @@ from data.tokenizer import build_tokenizer
 from metrics import MetricsLogger, count_params, device_peak_flops, flops_per_token, throughput
 from metrics.memory import peak_memory_gib, reset_peak_memory
 from models import build_model_args, get_model_spec, shape_overrides
+from parallelisms.compile import maybe_compile_loss
 from parallelisms.fsdp import mixed_precision_dtypes
 from parallelisms.init_weights import init_weights
+from parallelisms.memory_report import memory_report
 from parallelisms.parallel_dims import ParallelDims, log_mesh
 from training.distributed import (
     init_process_group,
@@ -110,8 +113,10 @@ def run_training(
     accum_steps = global_batch // (t.local_batch_size * dp_degree)
     tokens_per_rank_step = t.local_batch_size * t.seq_len * accum_steps
 
+    token_loss_sum = maybe_compile_loss(cross_entropy_sum, cfg.compile)
+
     def step_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return cross_entropy_sum(logits, labels) / tokens_per_rank_step
+        return token_loss_sum(logits, labels) / tokens_per_rank_step
 
     model_parts, schedule, first, last = build_model_parts(
         cfg, parallel_dims, model_args, device, step_loss
@@ -200,7 +205,10 @@ def run_training(
         pp_schedule=schedule,
         pp_first_stage=first,
         pp_last_stage=last,
-        loss_context=contextlib.nullcontext,
+        # Vocabulary-sharded logits under TP: the loss reduces across TP ranks itself.
+        loss_context=loss_parallel
+        if parallel_dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
+        else contextlib.nullcontext,
     )
     params = [p for part in model_parts for p in part.parameters()]
     pp_group = parallel_dims.dim("pp").get_group() if parallel_dims.pp_enabled else None
@@ -220,6 +228,7 @@ def run_training(
     window = {"steps": 0, "time": 0.0, "data": 0.0}
     reset_peak_memory(device)
     logger.info("training from step %d to %d", state.step + 1, t.steps)
+    first_step = state.step + 1  # its time includes compilation when compile is on
     try:
         while state.step < t.steps:
             state.step += 1
@@ -234,6 +243,10 @@ def run_training(
             loss = train_step(setup, micro)
             grad_norm = clip_grad_norm_(params, t.max_norm, pp_group)
             optimizer.step()
+            if state.step == first_step:  # grads and optimizer state both exist only now
+                held = memory_report(model_parts, optimizer)
+                logger.info("memory after step %d: %s", state.step, held)
+                metrics.log(state.step, held.as_metrics(), kind="memory")
             lr_scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             bad = ~torch.isfinite(grad_norm) | (~torch.isfinite(loss) if last else False)
@@ -246,6 +259,7 @@ def run_training(
             window["data"] += t_data
 
             log_now = state.step % cfg.metrics.log_freq == 0 or state.step in (1, t.steps)
+            log_now = log_now or state.step == first_step
             if log_now:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
@@ -263,6 +277,8 @@ def run_training(
                     "data_time_s": window["data"] / window["steps"],
                     "tokens_seen": state.tokens_seen,
                 }
+                if cfg.compile.enable and state.step == first_step:
+                    record["compile_time_s"] = record["step_time_s"]  # not a steady-state step
                 metrics.log(state.step, record)
                 window = {"steps": 0, "time": 0.0, "data": 0.0}
                 bad_step = int(first_bad.item())

@@ -1,0 +1,70 @@
+"""Activation checkpointing (AC): trade recomputation in backward for activation memory.
+
+Modes: "full" recomputes every transformer block; "selective" with an integer N recomputes
+every N-th block (blocks N-1, 2N-1, ... stay whole otherwise); "selective" with "op" wraps
+every block but saves the outputs of matmuls, attention and collectives, recomputing only
+the cheap elementwise ops (norms, SiLU, RoPE, residual adds).
+
+Blocks are wrapped with `checkpoint_wrapper`, whose `named_parameters()` and `state_dict()`
+drop the `_checkpoint_wrapped_module.` prefix, so FQNs (and checkpoints) are unchanged;
+`parallelisms.init_weights.canonical_name` strips it for any code that sees raw names.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+_aten = torch.ops.aten
+_SAVE_OP_NAMES = (
+    "mm",
+    "addmm",
+    "bmm",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+)
+# Ops whose outputs selective AC saves: the expensive ones, and TP collectives (recomputing
+# those would repeat communication).
+SAVE_OPS = {getattr(_aten, n).default for n in _SAVE_OP_NAMES if hasattr(_aten, n)}
+for _name in ("reduce_scatter_tensor", "all_gather_into_tensor", "all_reduce"):
+    if hasattr(torch.ops._c10d_functional, _name):
+        SAVE_OPS.add(getattr(torch.ops._c10d_functional, _name).default)
+
+
+def _op_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    if func in SAVE_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _wrap(block: nn.Module, per_op: bool) -> nn.Module:
+    kwargs = {"preserve_rng_state": False}  # Llama has no dropout: no RNG to replay
+    if per_op:
+        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _op_policy)
+    return checkpoint_wrapper(block, **kwargs)
+
+
+def apply_ac(model: nn.Module, mode: str, selective_ac_option: str = "2") -> nn.Module:
+    """Wraps `model.layers` entries in place (keys unchanged) according to `mode`."""
+    if mode == "none":
+        return model
+    if mode not in ("full", "selective"):
+        raise ValueError(f"activation_checkpoint.mode = '{mode}': expected none/full/selective")
+    per_op = mode == "selective" and selective_ac_option == "op"
+    every = 1
+    if mode == "selective" and not per_op:
+        every = int(selective_ac_option)
+        if every < 1:
+            raise ValueError(f"selective_ac_option = {selective_ac_option}: must be 'op' or >= 1")
+    for i, (name, block) in enumerate(list(model.layers.items())):
+        # The global layer index (the ModuleDict key), so pipeline stages pick the same blocks.
+        index = int(name) if name.isdigit() else i
+        if (index + 1) % every == 0:
+            model.layers[name] = _wrap(block, per_op)
+    return model

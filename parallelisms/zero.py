@@ -1,0 +1,346 @@
+"""ZeRO stages 0-2 over replicated parameters (stage 3 is FSDP2, in `parallelisms/fsdp.py`).
+
+Each parameter has two views:
+
+* the *compute* parameter: the full tensor (in the compute dtype) that forward and backward
+  use, replicated on every data-parallel rank;
+* the *master* parameter: what the optimizer, gradient clipping and checkpoints see.
+  Stage 0 (DDP): the full tensor itself. Stages 1-2: a `DTensor` sharded along dim 0 over the
+  data-parallel mesh (`Shard(0)`, torch.chunk sizes: the same layout FSDP2 uses, so
+  checkpoints move between stages 1, 2 and 3), whose local tensor is *a view into the compute
+  parameter's storage* when the dtypes agree (fp32): no second copy of the weights.
+
+Optimizer state is created by the optimizer from the master parameters, so stages 1-2 hold
+only this rank's shard of it. Gradients: stage 0 all-reduces them (averaged) and keeps them
+whole; stage 1 all-reduces them too and the master gradient is this rank's rows of the full
+gradient (a view: the full gradient stays allocated, as the ZeRO paper's stage 1 says);
+stage 2 reduce-scatters each gradient as soon as backward has produced it and frees the full
+one, keeping only this rank's shard. After the optimizer step, stages 1-2 all-gather the
+updated shards into the full parameters before the next forward.
+
+Memory per rank in fp32 (Psi parameters, N data-parallel ranks, Adam): stage 0 16 Psi;
+stage 1 4 Psi + 4 Psi + 8 Psi / N; stage 2 4 Psi + 12 Psi / N (plus padding to N rows).
+
+The master parameters are registered in the module except during forward and backward, when
+the compute parameters are (activation-checkpoint recomputation runs during backward and
+must see them). Gradients are reduced once per optimizer step when the trainer turns off
+`set_requires_gradient_sync` on the other micro-steps; reductions are issued asynchronously
+from per-parameter hooks as backward produces the gradients and waited on at its end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+# Stage 2 waits for older reduce-scatters once this many are in flight, so only a few full
+# gradients exist at a time while communication still overlaps backward.
+_MAX_IN_FLIGHT = 2
+
+
+class ZeroError(ValueError):
+    """An unsupported ZeRO configuration, reported before any collective."""
+
+
+@dataclass
+class _Param:
+    """One parameter's compute/master pair and where it is registered."""
+
+    module: nn.Module
+    name: str
+    master: nn.Parameter
+    compute: nn.Parameter | None = None
+    buffer: torch.Tensor | None = None  # stages 1-2: padded flat storage of `compute`
+    rows_per_rank: int = 0  # stages 1-2: padded rows of dim 0 each rank owns
+    hook: object | None = None
+    pending: tuple | None = None  # (work, reduced tensor) of an in-flight reduction
+
+    @property
+    def aliased(self) -> bool:
+        return self.master is self.compute or (
+            isinstance(self.master, DTensor)
+            and self.buffer is not None
+            and self.master.to_local().untyped_storage().data_ptr()
+            == self.buffer.untyped_storage().data_ptr()
+        )
+
+
+@dataclass
+class ZeroState:
+    """Runtime state of one ZeRO-wrapped module (one model or pipeline stage)."""
+
+    stage: int
+    mesh: DeviceMesh
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    params: list[_Param] = field(default_factory=list)
+    sync: bool = True  # reduce gradients in this backward (off for accumulation micro-steps)
+    dirty: bool = True  # master values changed: refresh the compute parameters
+    pending_backwards: int = 0  # forwards with autograd whose backward has not finished
+    callback_queued: bool = False
+    hooks_installed: bool = False
+    in_flight: list[_Param] = field(default_factory=list)  # reductions not yet waited on
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group()
+
+    @property
+    def world(self) -> int:
+        return self.mesh.size()
+
+    @property
+    def rank(self) -> int:
+        return self.mesh.get_local_rank()
+
+    # --- building ---------------------------------------------------------------------------
+
+    def materialize(self) -> None:
+        """(Re)builds compute parameters, shard views and hooks from the registered masters;
+        runs at wrap time and after every `_apply` (e.g. `to_empty` off the meta device)."""
+        for p in self.params:
+            master = p.module._parameters[p.name]
+            if p.hook is not None:
+                p.hook.remove()
+                p.hook = None
+            self.hooks_installed = False
+            if self.stage == 0:
+                p.master = master
+                p.compute = master
+                if master.dtype != self.param_dtype:
+                    p.compute = nn.Parameter(master.detach().to(self.param_dtype))
+            else:
+                self._build_sharded(p, master)
+        self.dirty = True
+
+    def _install_hooks(self) -> None:
+        """Gradient hooks go on the final compute parameters at the first forward: `_apply`
+        may swap a DTensor parameter's contents (`swap_tensors`), which drops its hooks."""
+        for p in self.params:
+            p.hook = p.compute.register_post_accumulate_grad_hook(self._make_grad_hook(p))
+        self.hooks_installed = True
+
+    def _build_sharded(self, p: _Param, master: torch.Tensor) -> None:
+        """Padded full buffer for the compute parameter; the master is rank's rows of it (a
+        view) when dtypes agree, else a separate fp32 shard (mixed precision master weights)."""
+        full_shape = master.shape
+        rows, rest = full_shape[0], full_shape[1:]
+        per_rank = -(-rows // self.world)
+        row_numel = int(torch.Size(rest).numel())
+        if isinstance(master, DTensor):
+            local = master.to_local()
+        else:  # first wrap: this rank's rows of the full parameter
+            flat = master.detach().reshape(-1)
+            local = self._own_rows(flat, per_rank, rows, rest).clone()
+        buffer = torch.empty(
+            per_rank * self.world * row_numel, dtype=self.param_dtype, device=local.device
+        )
+        own = self._own_rows(buffer, per_rank, rows, rest)
+        with torch.no_grad():
+            own.copy_(local)
+        p.buffer, p.rows_per_rank = buffer, per_rank
+        p.compute = nn.Parameter(buffer[: rows * row_numel].view(full_shape))
+        if master.dtype == self.param_dtype:
+            local = own
+        p.master = nn.Parameter(self._as_shard(local, full_shape))
+        p.module._parameters[p.name] = p.master
+
+    def _own_rows(self, flat: torch.Tensor, per_rank: int, rows: int, rest) -> torch.Tensor:
+        """This rank's rows [r*c, min((r+1)*c, rows)) of a flat buffer, shaped."""
+        row_numel = int(torch.Size(rest).numel())
+        start = min(self.rank * per_rank, rows)
+        valid = self._valid_rows(per_rank, rows)
+        return flat[start * row_numel : (start + valid) * row_numel].view(valid, *rest)
+
+    def _valid_rows(self, per_rank: int, rows: int) -> int:
+        return max(0, min(per_rank, rows - self.rank * per_rank))
+
+    def _as_shard(self, local: torch.Tensor, full_shape: torch.Size) -> DTensor:
+        stride = torch.empty(full_shape, device="meta").stride()
+        return DTensor.from_local(local, self.mesh, [Shard(0)], shape=full_shape, stride=stride)
+
+    # --- forward ----------------------------------------------------------------------------
+
+    def pre_forward(self, module, args) -> None:
+        if not self.hooks_installed:
+            self._install_hooks()
+        if self.dirty:
+            self._refresh_compute()
+        if torch.is_grad_enabled():
+            self.pending_backwards += 1
+        self._register(compute=True)
+
+    def post_forward(self, module, args, output) -> None:
+        if not torch.is_grad_enabled():
+            self._register(compute=self.pending_backwards > 0)
+
+    def _register(self, compute: bool) -> None:
+        for p in self.params:
+            p.module._parameters[p.name] = p.compute if compute else p.master
+
+    @torch.no_grad()
+    def _refresh_compute(self) -> None:
+        """Copies updated masters into the compute parameters; stages 1-2 all-gather."""
+        works = []
+        for p in self.params:
+            if p.aliased:
+                pass
+            elif self.stage == 0:
+                p.compute.copy_(p.master)
+            else:
+                rows, rest = p.master.shape[0], p.master.shape[1:]
+                self._own_rows(p.buffer, p.rows_per_rank, rows, rest).copy_(p.master.to_local())
+            if self.stage > 0:
+                chunk = p.buffer.numel() // self.world
+                own = p.buffer[self.rank * chunk : (self.rank + 1) * chunk]
+                works.append(
+                    dist.all_gather_into_tensor(p.buffer, own, group=self.group, async_op=True)
+                )
+        for w in works:
+            w.wait()
+        self.dirty = False
+
+    # --- backward ---------------------------------------------------------------------------
+
+    def _make_grad_hook(self, p: _Param):
+        def hook(param: torch.Tensor) -> None:
+            if not self.callback_queued:
+                self.callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            if self.sync:
+                self._reduce(p)
+
+        return hook
+
+    @torch.no_grad()
+    def _reduce(self, p: _Param) -> None:
+        """Starts the averaging reduction of one gradient (SUM then divide: gloo has no AVG)."""
+        grad = p.compute.grad
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        if self.stage == 2:
+            rows = p.compute.shape[0]
+            padded = p.rows_per_rank * self.world
+            if padded != rows or local.dtype != self.reduce_dtype:
+                full = local.new_zeros((padded, *local.shape[1:]), dtype=self.reduce_dtype)
+                full[:rows].copy_(local)
+                local = full
+            p.compute.grad = None  # the full gradient is not kept (ZeRO-2)
+            out = local.new_empty((p.rows_per_rank, *local.shape[1:]))
+            work = dist.reduce_scatter_tensor(out, local, group=self.group, async_op=True)
+            p.pending = (work, out, local)
+            self.in_flight.append(p)
+            while len(self.in_flight) > _MAX_IN_FLIGHT:  # bounds the full gradients alive
+                self._complete(self.in_flight.pop(0))
+            return
+        if local.dtype != self.reduce_dtype:
+            local = local.to(self.reduce_dtype)
+        work = dist.all_reduce(local, group=self.group, async_op=True)
+        p.pending = (work, local, None)
+        self.in_flight.append(p)
+
+    def _complete(self, p: _Param) -> None:
+        work, reduced, _ = p.pending
+        p.pending = None
+        work.wait()
+        reduced.div_(self.world)
+        self._set_master_grad(p, reduced)
+        self.dirty = True  # the optimizer steps after a synchronised backward
+
+    @torch.no_grad()
+    def _finish_backward(self) -> None:
+        for p in self.in_flight:
+            self._complete(p)
+        self.in_flight.clear()
+        self.callback_queued = False
+        self.pending_backwards = max(0, self.pending_backwards - 1)
+        if self.pending_backwards == 0:
+            self._register(compute=False)
+
+    def _set_master_grad(self, p: _Param, reduced: torch.Tensor) -> None:
+        """Moves a reduced gradient onto the master parameter (accumulating if one is there)."""
+        master = p.master
+        if self.stage == 0:
+            if master is p.compute and reduced.dtype == master.dtype:
+                return  # reduced in place in master.grad
+            local = reduced.to(master.dtype)
+            p.compute.grad = None
+            if isinstance(master, DTensor):
+                local = DTensor.from_local(
+                    local,
+                    master.device_mesh,
+                    master.placements,
+                    shape=master.shape,
+                    stride=master.stride(),
+                )
+        else:
+            if self.stage == 1:  # this rank's rows of the full all-reduced gradient
+                rows, rest = master.shape[0], master.shape[1:]
+                flat = reduced.reshape(-1)
+                if flat.numel() < p.buffer.numel():
+                    padded = flat.new_zeros(p.buffer.numel())
+                    padded[: flat.numel()].copy_(flat)
+                    flat = padded
+                local = self._own_rows(flat, p.rows_per_rank, rows, rest)
+                p.compute.grad = None  # `local` keeps the full gradient alive when it is a view
+            else:
+                local = reduced[: self._valid_rows(p.rows_per_rank, master.shape[0])]
+            local = self._as_shard(local.to(master.dtype), master.shape)
+        if master.grad is None:
+            master.grad = local
+        else:
+            master.grad += local
+
+
+class ZeroModule:
+    """Mixed into the class of a ZeRO-wrapped module: the trainer's hooks and `_apply`."""
+
+    _zero: ZeroState
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """Off: backward accumulates full local gradients without communication."""
+        self._zero.sync = requires_gradient_sync
+
+    def _apply(self, fn, recurse: bool = True):
+        out = super()._apply(fn, recurse)
+        self._zero.materialize()
+        return out
+
+
+def apply_zero(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    stage: int,
+    *,
+    param_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype = torch.float32,
+) -> nn.Module:
+    """Data parallelism with ZeRO stage 0 (DDP), 1 or 2 over the 1-D `dp_mesh`."""
+    if stage not in (0, 1, 2):
+        raise ZeroError(f"apply_zero handles ZeRO stages 0-2, not {stage} (stage 3 is FSDP).")
+    if dp_mesh.ndim != 1:
+        raise ZeroError("ZeRO stages 0-2 need a 1-D data-parallel mesh (no HSDP).")
+    state = ZeroState(stage, dp_mesh, param_dtype, reduce_dtype)
+    seen = set()
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                raise ZeroError("ZeRO stages 0-2 do not support shared (tied) parameters.")
+            seen.add(id(param))
+            if stage > 0 and isinstance(param, DTensor):
+                raise ZeroError(
+                    "ZeRO stages 1-2 shard plain replicated parameters; this one is already a "
+                    "DTensor (tensor parallelism?). Use zero_stage 0 or 3 with TP."
+                )
+            state.params.append(_Param(module, name, param))
+    cls = type(model)
+    model.__class__ = type(f"ZeRO{stage}{cls.__name__}", (ZeroModule, cls), {})
+    model._zero = state
+    state.materialize()
+    model.register_forward_pre_hook(state.pre_forward)
+    model.register_forward_hook(state.post_forward)
+    return model

@@ -1,0 +1,90 @@
+"""Helpers to launch real multi-process `train.py` runs on tiny configs and read their metrics.
+
+Runs use gloo on CPU; `launch_many` starts several at once (bounded), since most of a short
+run's wall time is process start-up, not compute.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_CONFIG = ROOT / "tests" / "tiny_model.toml"
+
+
+@dataclass
+class Run:
+    """One `train.py` launch: its dump folder, ranks, arguments and (once done) its outcome."""
+
+    name: str
+    folder: Path
+    nproc: int
+    args: list[str] = field(default_factory=list)
+    returncode: int | None = None
+    output: str = ""
+    seconds: float = 0.0
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable]
+        if self.nproc > 1:
+            cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.nproc}"]
+        return cmd + ["train.py", "--config", str(TINY_CONFIG), "--job.dump_folder",
+                      str(self.folder), *self.args]  # fmt: skip
+
+    def records(self, kind: str = "train") -> list[dict]:
+        return read_records(self.folder, kind)
+
+    def losses(self) -> dict[int, float]:
+        return {r["step"]: r["loss"] for r in self.records()}
+
+    def check(self) -> Run:
+        assert self.returncode == 0, f"run {self.name} failed ({self.returncode}):\n{self.output}"
+        return self
+
+
+def read_records(folder: Path, kind: str = "train") -> list[dict]:
+    """Records of one kind ("train", "validation", "memory") from `<folder>/metrics.jsonl`."""
+    lines = (Path(folder) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("kind") == kind]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def launch_many(runs: list[Run], parallel: int = 2, timeout: float = 600) -> dict[str, Run]:
+    """Runs every launch to completion, at most `parallel` at a time; returns them by name."""
+    pending, active = list(runs), []
+    deadline = time.monotonic() + timeout
+    while pending or active:
+        while pending and len(active) < parallel:
+            run = pending.pop(0)
+            run.folder.parent.mkdir(parents=True, exist_ok=True)
+            log = open(run.folder.with_suffix(".log"), "w+")  # closed when the run ends
+            proc = subprocess.Popen(run.command(), cwd=ROOT, env=_env(), stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+            active.append((run, proc, log, time.monotonic()))
+        time.sleep(0.2)
+        for item in list(active):
+            run, proc, log, started = item
+            if proc.poll() is None and time.monotonic() < deadline:
+                continue
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            run.returncode, run.seconds = proc.returncode, time.monotonic() - started
+            log.seek(0)
+            run.output = log.read()[-20000:]
+            log.close()
+            active.remove(item)
+    return {r.name: r for r in runs}
+
+
+def launch(run: Run, timeout: float = 600) -> Run:
+    return launch_many([run], parallel=1, timeout=timeout)[run.name]
