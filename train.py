@@ -117,6 +117,15 @@ def dry_run(cfg: JobConfig) -> None:
         f"({n / 1e9:.2f}B; {n_no_emb:,} without embeddings), "
         f"{fpt / 1e9:.2f} GFLOP per token at seq_len {args.max_seq_len}"
     )
+    if cfg.job.simulate_world_size:  # per-rank memory of the configured layout at that scale
+        from parallelisms.estimate import format_plan, simulate
+
+        world = cfg.job.simulate_world_size
+        check_config(cfg, world)
+        gib = 80.0
+        if torch.cuda.is_available():
+            gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+        print(format_plan(simulate(spec, args, cfg, world), gib))
 
 
 @dataclass

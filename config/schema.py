@@ -33,6 +33,12 @@ class Job:
     dump_folder: str = opt("./outputs", "Output folder: resolved config, logs, metrics, TB")
     description: str = opt("", "Free-text description of the run, logged at start")
     dry_run: bool = opt(False, "Build the model on the meta device, report its size and exit")
+    simulate_world_size: int = opt(
+        0,
+        "With dry_run: simulate this many ranks (fake process group, real mesh and "
+        "parallelize functions) and report per-rank memory (0 = off)",
+        ge=0,
+    )
 
 
 @dataclass
