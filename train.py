@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from checkpoint import CheckpointError
 from config import ConfigError, JobConfig, config_to_toml, help_text, parse_args
 from models import build_model_args, get_model_spec, shape_overrides
 from parallelisms.parallel_dims import ParallelDims, ParallelismError
@@ -163,8 +164,14 @@ def main(argv: list[str] | None = None) -> int:
             dry_run(cfg)
             return 0
         rank, local_rank, world_size = launch_env()
+        if cfg.checkpoint.create_seed_checkpoint:  # one CPU process, whatever the layout
+            from checkpoint.seed import create_seed_checkpoint
+
+            setup_logging(cfg.job.dump_folder, rank)
+            create_seed_checkpoint(cfg, world_size)
+            return 0
         parallel_dims = check_config(cfg, world_size)
-    except (ConfigError, ParallelismError, LaunchError) as e:
+    except (ConfigError, ParallelismError, LaunchError, CheckpointError) as e:
         print(f"meshtrain: error: {e}", file=sys.stderr)
         return 2
     setup_logging(cfg.job.dump_folder, rank)
@@ -181,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     stop.install()
     try:
         run_training(cfg, parallel_dims, rank=rank, local_rank=local_rank, stop=stop)
-    except NonFiniteError as e:
+    except (NonFiniteError, CheckpointError) as e:
         logger.error("%s", e)
         return 1
     except KeyboardInterrupt:

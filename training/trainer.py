@@ -242,6 +242,8 @@ def run_training(
             t_data = time.perf_counter() - t0
             loss = train_step(setup, micro)
             grad_norm = clip_grad_norm_(params, t.max_norm, pp_group)
+            if checkpointer is not None:  # an async save may still be copying the weights
+                checkpointer.maybe_wait_for_staging()
             optimizer.step()
             if state.step == first_step:  # grads and optimizer state both exist only now
                 held = memory_report(model_parts, optimizer)

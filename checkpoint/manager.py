@@ -1,0 +1,414 @@
+"""CheckpointManager: periodic sharded saves (sync or async), atomic commits, automatic resume.
+
+Every rank writes its own shards of one DCP checkpoint per interval into `step-N.tmp/`; rank 0
+commits it by renaming it to `step-N/` once DCP's final gather says all ranks finished (see
+`checkpoint.storage`). In async mode `dcp.async_save` first stages a CPU copy of the state
+(training waits only for that), then a background thread writes it over a separate gloo
+process group; rank 0 commits when its write future completes, checked at every step, before
+the next save and at `close()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+from checkpoint.state import (
+    COMPONENTS,
+    apply_state,
+    build_state,
+    check_fits,
+    model_view,
+    read_metadata,
+    single_process,
+)
+from checkpoint.storage import (
+    CheckpointError,
+    commit,
+    is_complete,
+    list_checkpoints,
+    prepare_tmp,
+    purge,
+    read_layout,
+    resolve_load_path,
+    step_dir,
+    tmp_path,
+)
+
+logger = logging.getLogger("meshtrain")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Test hook: "STEP:SECONDS" makes every rank sleep inside the save of checkpoint STEP, after
+# writing its shards and before DCP's metadata and the commit (a deterministic kill window).
+DELAY_ENV = "MESHTRAIN_TEST_CKPT_SAVE_DELAY"
+
+
+class _Writer(FileSystemWriter):
+    """FileSystemWriter with the optional test delay after this rank's shards are written."""
+
+    def __init__(self, path: Path, delay_s: float = 0.0, label: str = ""):
+        super().__init__(str(path), overwrite=False)
+        self.delay_s = delay_s
+        self.label = label
+
+    def write_data(self, plan, planner):
+        fut = super().write_data(plan, planner)
+        if self.delay_s > 0:
+            logger.warning(
+                "test hook %s: sleeping %.0f s inside the save of %s (shards "
+                "written, not committed)",
+                DELAY_ENV,
+                self.delay_s,
+                self.label,
+            )
+            time.sleep(self.delay_s)
+        return fut
+
+
+@dataclass
+class _Pending:
+    """An async save in flight."""
+
+    step: int
+    tmp: Path
+    final: Path
+    layout: dict
+    upload: Future
+    staging: Future | None
+    started: float
+
+
+def _test_delay(step: int) -> float:
+    spec = os.environ.get(DELAY_ENV, "")
+    if not spec:
+        return 0.0
+    at, _, seconds = spec.partition(":")
+    return float(seconds or 0) if int(at) == step else 0.0
+
+
+def layout_info(parallel_dims) -> dict:
+    """The parallel degrees a checkpoint was saved with (for checkpoint_info and logs)."""
+    if parallel_dims is None:
+        return {"world_size": 1, "parallelism": {}}
+    degrees = {k: getattr(parallel_dims, k) for k in ("pp", "dp_replicate", "dp_shard", "tp")}
+    degrees["zero_stage"] = parallel_dims.zero_stage
+    return {"world_size": parallel_dims.world_size, "parallelism": degrees}
+
+
+def model_info(cfg, model_parts) -> dict:
+    args = getattr(model_parts[0], "args", None)
+    info = {"name": cfg.model.name, "flavor": cfg.model.flavor}
+    if dataclasses.is_dataclass(args):
+        info["args"] = dataclasses.asdict(args)
+    return info
+
+
+class CheckpointManager:
+    """Owns the checkpoint folder of one run: `load()` once, `maybe_save()` every step,
+    `close()` at the end (waits for an async save and commits it)."""
+
+    def __init__(
+        self,
+        cfg,
+        *,
+        model_parts,
+        optimizer,
+        lr_scheduler,
+        dataloader,
+        train_state,
+        parallel_dims=None,
+    ):
+        self.cfg = cfg
+        self.ckpt = cfg.checkpoint
+        self.folder = Path(cfg.job.dump_folder) / self.ckpt.folder
+        self.model_parts = model_parts
+        self.model = model_view(model_parts)
+        self.objects = {
+            "model": self.model,
+            "optimizer": optimizer,
+            "lr_scheduler": lr_scheduler,
+            "dataloader": dataloader,
+            "train_state": train_state,
+        }
+        self.parallel_dims = parallel_dims
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        # A separate gloo group: async writes run collectives in a background thread, which
+        # must never interleave with training's collectives on the default group.
+        self.pg = dist.new_group(backend="gloo") if self.distributed else None
+        self.async_mode = self.ckpt.async_mode
+        self.stager = None
+        if self.async_mode == "async_with_pinned_mem":
+            device = next(self.model.parameters()).device
+            if device.type == "cuda" and torch.cuda.is_available():
+                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+                self.stager = DefaultStager(
+                    StagingOptions(
+                        use_pinned_memory=True,
+                        use_shared_memory=False,
+                        use_async_staging=True,
+                        use_non_blocking_copy=True,
+                    )
+                )
+            else:
+                self._log(
+                    logging.INFO,
+                    "checkpoint.async_mode = async_with_pinned_mem needs a "
+                    "CUDA device (parameters are on %s): using async",
+                    device.type,
+                )
+                self.async_mode = "async"
+        self.pending: _Pending | None = None
+
+    # ----------------------------------------------------------------------------- helpers
+    def _log(self, level: int, msg: str, *args) -> None:
+        if self.rank == 0:
+            logger.log(level, msg, *args)
+
+    def _barrier(self) -> None:
+        if self.distributed:
+            dist.barrier(group=self.pg)
+
+    def _broadcast(self, obj):
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.pg)
+        return box[0]
+
+    def _state(self, components, export_dtype=None) -> dict:
+        return build_state(components, rank=self.rank, export_dtype=export_dtype, **self.objects)
+
+    # ---------------------------------------------------------------------------- loading
+    def _choose(self):
+        """Rank 0: (path, components, source) to load, None for a fresh start, or an error
+        message (str) that every rank raises."""
+        c = self.ckpt
+        try:
+            found = list_checkpoints(self.folder)
+            model_only = False
+            if c.load_step >= 0:
+                path = step_dir(self.folder, c.load_step)
+                if not is_complete(path):
+                    steps = ", ".join(str(s) for s, _ in found) or "none"
+                    return (
+                        f"checkpoint.load_step = {c.load_step} but {self.folder} has no "
+                        f"complete checkpoint step-{c.load_step} (complete ones: {steps})."
+                    )
+                source = f"checkpoint.load_step = {c.load_step}"
+            elif found:
+                path, source = found[-1][1], "latest checkpoint in the run folder"
+            elif c.initial_load_path:
+                path = resolve_load_path(Path(c.initial_load_path))
+                source = "checkpoint.initial_load_path"
+                model_only = c.initial_load_model_only
+            else:
+                return None
+            layout = read_layout(path)
+        except CheckpointError as e:
+            return str(e)
+        contents = set(layout.get("contents", ["model"]))
+        wanted = set(COMPONENTS) - set(c.exclude_from_loading)
+        if "train_state" in c.exclude_from_loading:
+            wanted.discard("rng")
+        if model_only:
+            wanted = {"model"}
+        components = sorted(contents & wanted, key=COMPONENTS.index)
+        return str(path), components, source, layout
+
+    def load(self) -> bool:
+        """Resumes from the latest complete checkpoint of the run folder (or load_step, or
+        initial_load_path); returns whether anything was loaded. Fails before any training
+        step, with one message, when the checkpoint does not fit the model."""
+        choice = self._broadcast(self._choose() if self.rank == 0 else None)
+        if isinstance(choice, str):
+            raise CheckpointError(choice)
+        if choice is None:
+            self._log(
+                logging.INFO,
+                "checkpoint: nothing to resume in %s; starting from step 0",
+                self.folder,
+            )
+            return False
+        path, components, source, layout = choice
+        t0 = time.perf_counter()
+        metadata = read_metadata(path)
+        if "rng" in components and f"rng.rank{self.rank}" not in metadata:
+            components = [c for c in components if c != "rng"]  # saved with fewer ranks
+        sd = self._state(components)
+        check_fits(path, sd, metadata, self.pg)
+        with single_process():
+            dcp.load(
+                sd,
+                storage_reader=FileSystemReader(path),
+                process_group=self.pg,
+                no_dist=not self.distributed,
+            )
+        try:
+            apply_state(sd, rank=self.rank, **self.objects)
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"Loading {path} failed: {e}") from e
+        saved = layout_info_text(layout)
+        self._log(
+            logging.INFO,
+            "checkpoint: loaded %s (%s) step %s: %s in %.1f s; saved with %s, now %s",
+            path,
+            source,
+            layout.get("step"),
+            ", ".join(components),
+            time.perf_counter() - t0,
+            saved,
+            layout_info_text(layout_info(self.parallel_dims)),
+        )
+        if "rng" not in components and "rng" in layout.get("contents", []):
+            self._log(
+                logging.INFO,
+                "checkpoint: RNG states not restored (saved with another "
+                "world size or excluded); the run's seeding stays in effect",
+            )
+        return True
+
+    # ----------------------------------------------------------------------------- saving
+    def due(self, step: int) -> bool:
+        """Whether `maybe_save(step, ...)` will write a checkpoint at this step."""
+        return step % self.ckpt.interval == 0 or step == self.cfg.training.steps
+
+    def maybe_save(self, step: int, last_step: bool = False) -> None:
+        self._poll()
+        if not (step % self.ckpt.interval == 0 or last_step):
+            return
+        self._save(
+            step, kind="full", components=COMPONENTS, use_async=self.async_mode != "disabled"
+        )
+        if last_step and self.ckpt.model_only:
+            self._save(
+                step,
+                kind="export",
+                components=("model",),
+                prefix="export-step",
+                export_dtype=DTYPES[self.ckpt.export_dtype],
+                use_async=False,
+            )
+
+    def maybe_wait_for_staging(self) -> None:
+        """Call before the optimizer changes the weights: with pinned-memory async staging
+        the device-to-host copy of the last save may still be running."""
+        if self.pending is not None and self.pending.staging is not None:
+            self.pending.staging.result()
+            self.pending.staging = None
+
+    def _layout(self, step: int, kind: str, components, export_dtype) -> dict:
+        ts = self.objects["train_state"]
+        return {
+            "step": step,
+            "kind": kind,
+            "contents": list(components),
+            **layout_info(self.parallel_dims),
+            "model": model_info(self.cfg, self.model_parts),
+            "dtype": str(export_dtype).removeprefix("torch.") if export_dtype else "as trained",
+            "train_state": ts.state_dict() if ts is not None else {},
+            "async_mode": self.async_mode if kind == "full" else "disabled",
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "torch_version": torch.__version__,
+        }
+
+    def _save(
+        self,
+        step: int,
+        *,
+        kind: str,
+        components,
+        use_async: bool,
+        prefix: str = "step",
+        export_dtype=None,
+    ) -> None:
+        self.wait()  # one save at a time
+        t0 = time.perf_counter()
+        final = step_dir(self.folder, step, prefix)
+        tmp = tmp_path(final)
+        if self.rank == 0:
+            prepare_tmp(final)
+        self._barrier()
+        layout = self._layout(step, kind, components, export_dtype)
+        sd = self._state(components, export_dtype)
+        writer = _Writer(tmp, _test_delay(step) if kind == "full" else 0.0, final.name)
+        if not use_async:
+            with single_process():
+                dcp.save(
+                    sd, storage_writer=writer, process_group=self.pg, no_dist=not self.distributed
+                )
+            if self.rank == 0:
+                commit(tmp, final, layout)
+                purge(self.folder, self.ckpt.keep_latest_k)
+            self._log(
+                logging.INFO, "checkpoint: saved %s in %.2f s", final, time.perf_counter() - t0
+            )
+            return
+        with single_process():
+            result = dcp.async_save(
+                sd,
+                storage_writer=writer,
+                process_group=self.pg,
+                async_stager=self.stager,
+                no_dist=not self.distributed,
+            )
+        staging = None
+        if hasattr(result, "upload_completion"):  # AsyncSaveResponse (async staging)
+            upload, staging = result.upload_completion, result.staging_completion
+        else:
+            upload = result
+        self.pending = _Pending(step, tmp, final, layout, upload, staging, t0)
+        self._log(
+            logging.INFO,
+            "checkpoint: %s staged in %.2f s; writing in the background",
+            final.name,
+            time.perf_counter() - t0,
+        )
+
+    def _poll(self) -> None:
+        if self.pending is not None and self.pending.upload.done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Blocks until the async save in flight (if any) is written, then commits it."""
+        p, self.pending = self.pending, None
+        if p is None:
+            return
+        try:
+            p.upload.result()
+        except Exception as e:
+            raise CheckpointError(f"async checkpoint save of {p.final.name} failed: {e}") from e
+        if self.rank == 0:
+            commit(p.tmp, p.final, p.layout)
+            purge(self.folder, self.ckpt.keep_latest_k)
+        self._log(
+            logging.INFO,
+            "checkpoint: saved %s (async, %.2f s after staging began)",
+            p.final,
+            time.perf_counter() - p.started,
+        )
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self.stager is not None:
+                self.stager.close()
+                self.stager = None
+
+
+def layout_info_text(layout: dict) -> str:
+    p = layout.get("parallelism") or {}
+    degrees = " ".join(f"{k}={v}" for k, v in p.items())
+    return f"world={layout.get('world_size', '?')} {degrees}".strip()

@@ -1,0 +1,255 @@
+"""What goes into a checkpoint and how it comes back out.
+
+Top-level keys of the DCP state dict (DCP flattens nested dicts with dots):
+
+    model.<fqn>                       parameters, sharded DTensors or plain tensors
+    optimizer.state.<fqn>.<name>      optimizer state per parameter (flattened, so that any
+    optimizer.param_groups.<fqn>.<k>  pipeline split can load any other)
+    lr_scheduler.<key>                the LR scheduler's state dict
+    dataloader.state                  the loader's state (its global position), pickled
+    train_state.step / .tokens_seen   progress counters
+    rng.rank<r>                       each rank's Python/NumPy/torch RNG states, pickled
+
+FQNs are those of the plain model, whatever wrappers (FSDP, TP, compile, activation
+checkpointing) or pipeline split the run uses, so every layout can load every other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import random
+import warnings
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from checkpoint.storage import CheckpointError
+
+COMPONENTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
+OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def model_view(model_parts: list[nn.Module]) -> nn.Module:
+    """One module whose parameter names are the plain model's, over all local model parts.
+
+    A single part is returned as is. Several parts (virtual pipeline stages on one rank) are
+    merged into a container that shares their submodules: same-named children that differ
+    (e.g. each stage's `layers` dict) are merged recursively, so the FQNs stay stable."""
+    if len(model_parts) == 1:
+        return model_parts[0]
+    view = nn.Module()
+    for part in model_parts:
+        _merge_into(view, part)
+    return view
+
+
+def _merge_into(dst: nn.Module, src: nn.Module) -> None:
+    for name, p in src._parameters.items():
+        if p is not None:
+            dst.register_parameter(name, p)
+    for name, b in src._buffers.items():
+        if b is not None and name not in src._non_persistent_buffers_set:
+            dst.register_buffer(name, b)
+    for name, child in src._modules.items():
+        if child is None:
+            continue
+        mine = dst._modules.get(name)
+        if mine is None:
+            dst.add_module(name, child)
+        elif mine is not child:
+            if type(mine) is not nn.Module:  # first clash: copy the first part's child
+                merged = nn.Module()
+                _merge_into(merged, mine)
+                dst._modules[name] = merged
+                mine = merged
+            _merge_into(mine, child)
+
+
+def rng_state() -> bytes:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return pickle.dumps(state)
+
+
+def set_rng_state(blob: bytes) -> None:
+    state = pickle.loads(blob)
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _optimizers(optimizer) -> tuple:
+    if optimizer is None:
+        return ()
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return (optimizer,)
+    return tuple(optimizer)
+
+
+def build_state(
+    components: Iterable[str],
+    *,
+    model: nn.Module,
+    optimizer=None,
+    lr_scheduler=None,
+    dataloader=None,
+    train_state=None,
+    rank: int = 0,
+    export_dtype: torch.dtype | None = None,
+) -> dict:
+    """The state dict to save (or the targets to load into) for the given components."""
+    components = set(components)
+    sd: dict = {}
+    if "model" in components:
+        msd = get_model_state_dict(model)
+        if export_dtype is not None:
+            msd = {k: v.to(export_dtype) for k, v in msd.items()}
+        sd["model"] = msd
+    if "optimizer" in components:
+        sd["optimizer"] = get_optimizer_state_dict(
+            model, _optimizers(optimizer), options=OPTIM_OPTIONS
+        )
+    if "lr_scheduler" in components:
+        sd["lr_scheduler"] = lr_scheduler.state_dict()
+    if "dataloader" in components:
+        sd["dataloader"] = {"state": pickle.dumps(dataloader.state_dict())}
+    if "train_state" in components:
+        sd["train_state"] = dict(train_state.state_dict())
+    if "rng" in components:
+        sd["rng"] = {f"rank{rank}": rng_state()}
+    return sd
+
+
+def apply_state(
+    sd: dict,
+    *,
+    model: nn.Module,
+    optimizer=None,
+    lr_scheduler=None,
+    dataloader=None,
+    train_state=None,
+    rank: int = 0,
+) -> None:
+    """Puts loaded values back into the live objects (tensors were loaded in place)."""
+    if "model" in sd:
+        set_model_state_dict(model, sd["model"])
+    if "optimizer" in sd:
+        set_optimizer_state_dict(
+            model, _optimizers(optimizer), sd["optimizer"], options=OPTIM_OPTIONS
+        )
+    if "lr_scheduler" in sd:
+        lr_scheduler.load_state_dict(sd["lr_scheduler"])
+    if "dataloader" in sd:
+        dataloader.load_state_dict(pickle.loads(sd["dataloader"]["state"]))
+    if "train_state" in sd:
+        train_state.load_state_dict(sd["train_state"])
+    if "rng" in sd:
+        set_rng_state(sd["rng"][f"rank{rank}"])
+
+
+@contextlib.contextmanager
+def single_process():
+    """Silences DCP's warning that a one-process save/load runs without a process group."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def read_metadata(path) -> dict:
+    """{flattened key: TensorStorageMetadata | BytesStorageMetadata} of a checkpoint."""
+    try:
+        return FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as e:  # a truncated or foreign .metadata file
+        raise CheckpointError(f"Cannot read the DCP metadata of {path}: {e}") from None
+
+
+def _shape(v) -> tuple[int, ...] | None:
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def _gather(obj, group=None) -> list:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _listing(title: str, items: list[str], limit: int = 12) -> str:
+    more = f", ... and {len(items) - limit} more" if len(items) > limit else ""
+    return f"{len(items)} {title}: " + ", ".join(items[:limit]) + more
+
+
+def _of_param(key: str, fqns: set[str]) -> bool:
+    return key.startswith("optimizer.") and any(f".{f}." in key for f in fqns)
+
+
+def check_fits(path, sd: dict, metadata: dict, group=None) -> None:
+    """Raises one CheckpointError listing every key of `sd` missing from the checkpoint,
+    every shape that differs, and every model key of the checkpoint that no rank's model has.
+    A collective: all ranks call it and all raise the same message."""
+    flat, _ = flatten_state_dict(sd)
+    missing, mismatched = [], []
+    for key, value in flat.items():
+        md = metadata.get(key)
+        if md is None:
+            missing.append(key)
+            continue
+        want = _shape(value)
+        if isinstance(md, TensorStorageMetadata):
+            have = tuple(md.size)
+            if want is None:
+                mismatched.append(f"{key}: a tensor {list(have)} in the checkpoint, not one here")
+            elif want != have:
+                mismatched.append(f"{key}: checkpoint {list(have)} vs model {list(want)}")
+        elif want is not None:
+            mismatched.append(f"{key}: not a tensor in the checkpoint, model {list(want)}")
+    model_keys = {k for k in flat if k.startswith("model.")}
+    gathered = _gather((sorted(missing), sorted(mismatched), sorted(model_keys)), group)
+    missing = sorted({k for g in gathered for k in g[0]})
+    mismatched = sorted({k for g in gathered for k in g[1]})
+    # an optimizer entry of a parameter already reported adds nothing
+    bad = {k.split(":")[0][len("model.") :] for k in missing + mismatched if k.startswith("model.")}
+    if bad:
+        missing = [k for k in missing if not _of_param(k, bad)]
+        mismatched = [k for k in mismatched if not _of_param(k.split(":")[0], bad)]
+    unexpected = []
+    if "model" in sd:
+        all_model = {k for g in gathered for k in g[2]}
+        unexpected = sorted(k for k in metadata if k.startswith("model.") and k not in all_model)
+    if not (missing or mismatched or unexpected):
+        return
+    parts = []
+    if missing:
+        parts.append(_listing("missing from the checkpoint", missing))
+    if unexpected:
+        parts.append(_listing("in the checkpoint but not in the model", unexpected))
+    if mismatched:
+        parts.append(_listing("with a different shape", mismatched))
+    raise CheckpointError(
+        f"Checkpoint {path} does not fit this model (another flavor or model?): "
+        + "; ".join(parts)
+        + ". Load a checkpoint of the same model and flavor, or list components to skip in "
+        "checkpoint.exclude_from_loading."
+    )

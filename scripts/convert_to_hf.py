@@ -1,0 +1,77 @@
+"""A meshtrain DCP checkpoint (any layout; a step-N folder, an export, or a folder of them,
+whose latest is used) -> Hugging Face Llama layout: config.json + safetensors.
+
+    python scripts/convert_to_hf.py CHECKPOINT OUTPUT [--dtype bfloat16] [--max_shard_gb 5]
+"""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from checkpoint.hf import (  # noqa: E402
+    args_from_layout,
+    hf_config_from_args,
+    human_bytes,
+    meta_to_hf,
+    read_dcp_model,
+    total_bytes,
+    write_hf_weights,
+)
+from checkpoint.storage import CheckpointError, resolve_load_path  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def convert(
+    checkpoint: Path, output: Path, dtype: str = "keep", max_shard_bytes: int = 5 * 2**30
+) -> list[str]:
+    path = resolve_load_path(checkpoint)
+    args = args_from_layout(path)
+    if args is None:
+        raise CheckpointError(f"{path}/layout.json does not record the model arguments")
+    sd = read_dcp_model(path)
+    if dtype != "keep":
+        sd = {k: v.to(DTYPES[dtype]) for k, v in sd.items()}
+    hf = meta_to_hf(sd, args)
+    output.mkdir(parents=True, exist_ok=True)
+    files = write_hf_weights(hf, output, max_shard_bytes)
+    out_dtype = next(iter(hf.values())).dtype
+    config = hf_config_from_args(args, out_dtype)
+    (output / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    print(
+        f"converted {len(hf)} tensors ({human_bytes(total_bytes(hf))}) from {path} to "
+        f"{output}: config.json, {', '.join(files)}"
+    )
+    return files
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("checkpoint", type=Path)
+    p.add_argument("output", type=Path)
+    p.add_argument("--dtype", default="keep", choices=["keep", *DTYPES])
+    p.add_argument(
+        "--max_shard_gb",
+        type=float,
+        default=5.0,
+        help="split the safetensors into files of at most this size",
+    )
+    a = p.parse_args(argv)
+    try:
+        convert(a.checkpoint, a.output, a.dtype, int(a.max_shard_gb * 2**30))
+    except (CheckpointError, OSError, KeyError) as e:
+        print(f"convert_to_hf: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
