@@ -175,7 +175,8 @@ class Checkpoint:
     )
     initial_load_path: str = opt(
         "", "Checkpoint (or folder of step-N checkpoints) to start from when the run's own "
-        "folder has none, e.g. a model converted by scripts/convert_from_hf.py"
+        "folder has none, e.g. a model converted by scripts/convert_from_hf.py (needs "
+        "checkpoint.enable)"
     )
     initial_load_model_only: bool = opt(
         True, "Load only the weights from initial_load_path (not optimizer, data, step)"

@@ -239,6 +239,21 @@ def test_reshard(tmp_path, reference, src, dst):
         assert after["dataloader"]["consumed_sequences"] == 20 * 8
 
 
+def test_reshard_interleaved_pipeline_to_fsdp(tmp_path):
+    """Two pipeline stages per rank (one optimizer over both parts) save under the plain
+    model's names: FSDP 2 continues from them."""
+    require("pp2")
+    layers = ["--model.n_layers", "4", "--training.steps", "6", "--checkpoint.interval", "3"]
+    src = tmp_path / "interleaved"
+    ok(train(src, "pp2", *layers, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"))
+    dst = tmp_path / "fsdp"
+    copy_checkpoint(src, 3, dst)
+    ok(train(dst, "fsdp2", *layers))
+    torch.testing.assert_close(
+        steps(losses(dst), 4, 6), steps(losses(src), 4, 6), rtol=1e-4, atol=0
+    )
+
+
 def _descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
