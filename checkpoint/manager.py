@@ -244,8 +244,9 @@ class CheckpointManager:
         path, components, source, layout = choice
         t0 = time.perf_counter()
         metadata = read_metadata(path)
-        if "rng" in components and f"rng.rank{self.rank}" not in metadata:
-            components = [c for c in components if c != "rng"]  # saved with fewer ranks
+        world = self.parallel_dims.world_size if self.parallel_dims is not None else 1
+        if layout.get("world_size") != world or f"rng.rank{self.rank}" not in metadata:
+            components = [c for c in components if c != "rng"]  # per-rank: same world only
         sd = self._state(components)
         check_fits(path, sd, metadata, self.pg)
         with single_process():
@@ -271,11 +272,13 @@ class CheckpointManager:
             saved,
             layout_info_text(layout_info(self.parallel_dims)),
         )
-        if "rng" not in components and "rng" in layout.get("contents", []):
+        if "rng" in layout.get("contents", []) and layout.get("world_size") != world:
             self._log(
                 logging.INFO,
-                "checkpoint: RNG states not restored (saved with another "
-                "world size or excluded); the run's seeding stays in effect",
+                "checkpoint: RNG states not restored (saved with world size %s, now %s); the "
+                "run's seeding stays in effect",
+                layout.get("world_size"),
+                world,
             )
         return True
 
