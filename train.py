@@ -144,6 +144,9 @@ class StopFlag:
 
         signal.signal(signal.SIGINT, handler)
         signal.signal(signal.SIGTERM, handler)
+        # SLURM's advance warning before the time limit (#SBATCH --signal=USR1@120): stop,
+        # save a checkpoint and let the batch script requeue the job.
+        signal.signal(signal.SIGUSR1, handler)
 
     def agreed(self, device: torch.device) -> bool:
         if not torch.distributed.is_initialized():
@@ -182,7 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.job.description:
         logger.info("job: %s", cfg.job.description)
 
-    from training.trainer import NonFiniteError, run_training  # heavy imports after the checks
+    from training.trainer import (  # heavy imports after the checks
+        NonFiniteError,
+        StepError,
+        run_training,
+    )
 
     stop = StopFlag()
     stop.install()
@@ -190,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
         run_training(cfg, parallel_dims, rank=rank, local_rank=local_rank, stop=stop)
     except (NonFiniteError, CheckpointError) as e:
         logger.error("%s", e)
+        return 1
+    except StepError as e:
+        logger.error("%s", e, exc_info=e.__cause__)
         return 1
     except KeyboardInterrupt:
         logger.info("interrupted")

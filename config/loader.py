@@ -256,9 +256,12 @@ def validate(cfg: JobConfig) -> None:
             f"parallelism.context_parallel_degree = {cfg.parallelism.context_parallel_degree}: "
             "context parallelism is reserved and not supported yet; set it to 1."
         )
-    if cfg.profiling.enable_profiling:
+    prof = cfg.profiling
+    if prof.enable_profiling and prof.profiler_warmup + prof.profiler_active > prof.profile_freq:
         raise ConfigError(
-            "profiling.enable_profiling = true: profiling is not implemented yet; set it to false."
+            f"profiling.profiler_warmup ({prof.profiler_warmup}) + profiler_active "
+            f"({prof.profiler_active}) must not exceed profiling.profile_freq "
+            f"({prof.profile_freq}): each window ends at a multiple of profile_freq."
         )
 
 

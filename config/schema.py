@@ -204,7 +204,18 @@ class Metrics:
 
 @dataclass
 class Profiling:
-    enable_profiling: bool = opt(False, "Record torch.profiler traces (not yet implemented)")
+    enable_profiling: bool = opt(False, "Record torch.profiler traces (Chrome JSON per rank)")
+    save_traces_folder: str = opt("profile_traces", "Trace folder, relative to job.dump_folder")
+    profile_freq: int = opt(100, "Profile one window every this many steps", ge=1)
+    profiler_warmup: int = opt(1, "Steps traced but discarded before the active ones", ge=0)
+    profiler_active: int = opt(2, "Steps recorded per window (end at a multiple of freq)", ge=1)
+    enable_memory_snapshot: bool = opt(
+        False, "CUDA: record allocator history and dump a snapshot at a step and on OOM"
+    )
+    save_memory_snapshot_folder: str = opt(
+        "memory_snapshot", "Memory snapshot folder, relative to job.dump_folder"
+    )
+    memory_snapshot_step: int = opt(2, "Step after which the memory snapshot is dumped", ge=1)
 
 
 @dataclass
@@ -226,6 +237,12 @@ class Comm:
 class Debug:
     seed: int = opt(42, "Random seed for weight init and dropout-free determinism", ge=0)
     deterministic: bool = opt(False, "Use deterministic algorithms (bit-identical CPU reruns)")
+    fail_at_step: int = opt(
+        0,
+        "Fault-injection test: the last rank exits with an error at this step, on the first "
+        "torchrun attempt only (TORCHELASTIC_RESTART_COUNT = 0); 0 = off",
+        ge=0,
+    )
 
 
 @dataclass

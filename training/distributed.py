@@ -60,13 +60,26 @@ def init_process_group(device: torch.device, world_size: int, timeout_s: int) ->
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     if world_size == 1 and "MASTER_ADDR" not in os.environ:
         kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
+    elif "TORCHELASTIC_RESTART_COUNT" in os.environ and "MASTER_ADDR" in os.environ:
+        # torchrun keeps one store across restarts: without a per-attempt prefix a restarted
+        # rank can read a dead peer's gloo/NCCL address left by the previous attempt.
+        store, rank, size = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
+        attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+        kwargs.update(
+            store=dist.PrefixStore(f"meshtrain/attempt{attempt}", store), rank=rank, world_size=size
+        )
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
 
 
 def set_collective_timeout(timeout_s: int) -> None:
-    """Switches the default group from the set-up timeout to the steady-state one."""
-    if dist.is_initialized():
-        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
+    """Switches every process group this rank belongs to (the default one and the mesh's
+    sub-groups, which inherit the set-up timeout) to the steady-state timeout."""
+    if not dist.is_initialized():
+        return
+    c10d = dist.distributed_c10d
+    for group in list(c10d._world.pg_map):
+        if isinstance(group, dist.ProcessGroup) and not c10d._rank_not_in_group(group):
+            c10d._set_pg_timeout(timedelta(seconds=timeout_s), group)
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
+import signal
 import time
 from dataclasses import dataclass, field
 
@@ -32,6 +34,7 @@ from training.distributed import (
 )
 from training.loss import cross_entropy_sum
 from training.optimizer import build_lr_scheduler, build_optimizer
+from training.profiling import MemorySnapshot, PhaseTimer, Profiler
 from training.step import StepSetup, clip_grad_norm_, global_mean, train_step
 from training.validate import evaluate
 
@@ -40,6 +43,44 @@ logger = logging.getLogger("meshtrain")
 
 class NonFiniteError(RuntimeError):
     """The loss or gradient norm became NaN/inf; the run stops without saving."""
+
+
+class StepError(RuntimeError):
+    """Any failure inside the training loop, re-raised with the rank and step it happened at
+    (a collective timeout then says which rank gave up at which step)."""
+
+
+# Test hook: "K" makes the last rank sleep at step K (first attempt), so the others' next
+# collective runs into comm.train_timeout_seconds.
+HANG_ENV = "MESHTRAIN_TEST_HANG_AT_STEP"
+
+
+def _maybe_inject_failure(cfg: JobConfig, step: int, rank: int, world_size: int) -> None:
+    """`debug.fail_at_step`: the last rank fails at that step on torchrun's first attempt."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if rank != world_size - 1 or attempt != 0:
+        return
+    if os.environ.get(HANG_ENV) == str(step):  # test hook: a rank that stops answering
+        logger.warning("test hook %s: rank %d hangs at step %d", HANG_ENV, rank, step)
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(1))  # torchrun's teardown
+        time.sleep(3600)
+    if cfg.debug.fail_at_step == step:
+        raise RuntimeError(
+            f"debug.fail_at_step = {step}: injected failure (first attempt only; "
+            "TORCHELASTIC_RESTART_COUNT = 0)"
+        )
+
+
+def _save_on_stop(checkpointer, step: int) -> None:
+    """A checkpoint at the step where a stop request (SIGTERM, SLURM preemption) was agreed,
+    unless this step's regular save already wrote one."""
+    if checkpointer is None or checkpointer.due(step):
+        return
+    save = getattr(checkpointer, "save", None)
+    if save is not None:
+        save(step)
+    else:
+        checkpointer.maybe_save(step, last_step=True)
 
 
 @dataclass
@@ -222,6 +263,16 @@ def run_training(
         tb_folder=cfg.metrics.save_tb_folder,
     )
     set_collective_timeout(cfg.comm.train_timeout_seconds)
+    profiler = Profiler(
+        cfg.profiling,
+        cfg.job.dump_folder,
+        rank,
+        device.type,
+        start_step=state.step,
+        on_summary=lambda step, summary: metrics.log(step, summary, kind="profile"),
+    )
+    snapshot = MemorySnapshot(cfg.profiling, cfg.job.dump_folder, rank, device.type)
+    phases = PhaseTimer(device)
     data_iter = iter(train_loader)
     first_bad = torch.full((), -1, dtype=torch.long, device=device)
     tokens_per_device_step = global_batch * t.seq_len / parallel_dims.world_size
@@ -240,7 +291,14 @@ def run_training(
                     (inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True))
                 )
             t_data = time.perf_counter() - t0
-            loss = train_step(setup, micro)
+            _maybe_inject_failure(cfg, state.step, rank, parallel_dims.world_size)
+            phases.start()
+            try:
+                loss = train_step(setup, micro)
+            except torch.OutOfMemoryError:
+                snapshot.on_oom(state.step)
+                raise
+            phases.mark("forward_backward")
             grad_norm = clip_grad_norm_(params, t.max_norm, pp_group)
             if checkpointer is not None:  # an async save may still be copying the weights
                 checkpointer.maybe_wait_for_staging()
@@ -251,6 +309,9 @@ def run_training(
                 metrics.log(state.step, held.as_metrics(), kind="memory")
             lr_scheduler.step()
             optimizer.zero_grad(set_to_none=True)
+            phases.mark("optimizer")
+            profiler.step()
+            snapshot.step(state.step)
             bad = ~torch.isfinite(grad_norm) | (~torch.isfinite(loss) if last else False)
             first_bad = torch.where(bad & (first_bad < 0), state.step, first_bad)
             state.tokens_seen += global_batch * t.seq_len
@@ -277,6 +338,7 @@ def run_training(
                     "memory_gib": peak_memory_gib(device),
                     "step_time_s": window["time"] / window["steps"],
                     "data_time_s": window["data"] / window["steps"],
+                    **{f"{k}_time_s": v for k, v in phases.pop().items()},
                     "tokens_seen": state.tokens_seen,
                 }
                 if cfg.compile.enable and state.step == first_step:
@@ -310,8 +372,22 @@ def run_training(
                 checkpointer.maybe_save(state.step, last_step=state.step == t.steps)
             if (log_now or not dist.is_initialized()) and stop.agreed(device):
                 logger.info("stopping at step %d on request", state.step)
+                _save_on_stop(checkpointer, state.step)
                 break
+    except (NonFiniteError, StepError):
+        raise
+    except Exception as e:
+        raise StepError(
+            f"rank {rank} failed at step {state.step}: {type(e).__name__}: {e}"
+            + (
+                f" (comm.train_timeout_seconds = {cfg.comm.train_timeout_seconds})"
+                if "timeout" in str(e).lower() or "timed out" in str(e).lower()
+                else ""
+            )
+        ) from e
     finally:
+        profiler.close()
+        snapshot.close()
         if checkpointer is not None:
             checkpointer.close()
         metrics.close()
