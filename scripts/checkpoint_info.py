@@ -49,8 +49,10 @@ def describe(path: Path, summary: bool = False) -> str:
     )
     degrees = layout.get("parallelism") or {}
     lines.append(
-        f"saved with: world_size={layout.get('world_size')} "
-        + " ".join(f"{k}={v}" for k, v in degrees.items())
+        " ".join(
+            [f"saved with: world_size={layout.get('world_size')}"]
+            + [f"{k}={v}" for k, v in degrees.items()]
+        )
     )
     model = layout.get("model") or {}
     if model:
