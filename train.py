@@ -20,6 +20,7 @@ from checkpoint import CheckpointError
 from config import ConfigError, JobConfig, config_to_toml, help_text, parse_args
 from models import build_model_args, get_model_spec, shape_overrides
 from parallelisms.parallel_dims import ParallelDims, ParallelismError
+from parallelisms.pipeline import validate_pipeline_config
 from parallelisms.tensor_parallel import check_tp
 from training.distributed import LaunchError, launch_env
 
@@ -85,6 +86,12 @@ def check_config(cfg: JobConfig, world_size: int) -> ParallelDims:
         cfg.model.name, cfg.model.flavor, t.seq_len, None, shape_overrides(cfg.model)
     )
     check_tp(args.n_heads, args.kv_heads, t.seq_len, dims.tp)
+    validate_pipeline_config(
+        p,
+        t.local_batch_size,
+        args.n_layers,
+        compile_model=cfg.compile.enable and "model" in cfg.compile.components,
+    )
     return dims
 
 

@@ -1,0 +1,353 @@
+"""Pipeline parallelism, model-agnostic: plan stages by layer, cut a model into stage modules,
+place stages on pipeline ranks, and build a `torch.distributed.pipelining` schedule by name.
+
+A stage is a deep copy of the (meta-device) model with the modules of other stages removed:
+layers are deleted from the layer ModuleDict, so parameter names stay those of the full model
+(checkpoints and weight init see the same keys under every layout), and other top-level
+modules (embeddings, final norm, output) are set to None; the model's forward skips them.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from parallelisms.parallel_dims import ParallelismError
+
+# Schedules whose stages sit on ranks in a V (rank r holds stages r and 2*pp - 1 - r), so the
+# first and last stage share rank 0; every other multi-stage schedule loops (stage s on s % pp).
+_V_SCHEDULES = {"ScheduleZBVZeroBubble", "ScheduleDualPipeV"}
+# Schedules that split backward into input- and weight-gradient passes, which torch only
+# supports on uncompiled stage modules.
+_SPLIT_BACKWARD_SCHEDULES = _V_SCHEDULES | {"ScheduleInterleavedZeroBubble"}
+
+
+def schedule_class(name: str) -> type:
+    """The `torch.distributed.pipelining` schedule class for a name (case-insensitive)."""
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    try:
+        cls = get_schedule_class(name)
+    except ValueError as e:
+        raise ParallelismError(f"parallelism.pipeline_parallel_schedule: {e}") from None
+    if cls.__name__ in ("PipelineScheduleSingle", "PipelineScheduleMulti"):
+        raise ParallelismError(
+            f"parallelism.pipeline_parallel_schedule = '{name}' is an abstract base class; "
+            "choose a concrete schedule such as 1F1B, GPipe, Interleaved1F1B or ZBVZeroBubble."
+        )
+    return cls
+
+
+def is_single_stage(cls: type) -> bool:
+    """True when the schedule runs exactly one stage per pipeline rank."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+    return issubclass(cls, PipelineScheduleSingle)
+
+
+def is_v_schedule(cls: type) -> bool:
+    return cls.__name__ in _V_SCHEDULES
+
+
+def _layer_index(point: str, prefix: str) -> int | None:
+    head, _, tail = point.rpartition(".")
+    return int(tail) if head == prefix and tail.isdigit() else None
+
+
+def plan_stage_layers(
+    n_layers: int,
+    pp: int,
+    schedule_name: str,
+    *,
+    layers_per_stage: int = -1,
+    split_points: Sequence[str] = (),
+    layer_prefix: str = "layers",
+) -> list[list[int]]:
+    """Layer indices of every stage in pipeline order; raises ParallelismError on a bad plan.
+
+    Explicit `split_points` (names of the first layer of each stage after the first) win over
+    `layers_per_stage`; without either, layers are spread evenly over one stage per rank for
+    single-stage schedules and two per rank for multi-stage ones.
+    """
+    cls = schedule_class(schedule_name)
+    single = is_single_stage(cls)
+    key = "parallelism.pipeline_parallel"
+    if split_points:
+        starts = []
+        for point in split_points:
+            idx = _layer_index(point, layer_prefix)
+            if idx is None or not 0 < idx < n_layers:
+                raise ParallelismError(
+                    f"{key}_split_points: '{point}' is not a layer that can start a stage; use "
+                    f"'{layer_prefix}.N' with 0 < N < n_layers ({n_layers})."
+                )
+            starts.append(idx)
+        if starts != sorted(set(starts)):
+            raise ParallelismError(
+                f"{key}_split_points = {list(split_points)} must be strictly increasing "
+                "(every stage needs at least one layer)."
+            )
+        bounds = [0, *starts, n_layers]
+        stages = [list(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
+        source = f"{key}_split_points ({len(split_points)} points)"
+    else:
+        if layers_per_stage > 0:
+            if n_layers % layers_per_stage:
+                raise ParallelismError(
+                    f"{key}_layers_per_stage = {layers_per_stage} does not divide the model's "
+                    f"{n_layers} layers; pick a divisor or use {key}_split_points."
+                )
+            num_stages = n_layers // layers_per_stage
+            source = f"{key}_layers_per_stage = {layers_per_stage}"
+        else:
+            num_stages = pp if single else 2 * pp
+            source = f"the default for {cls.__name__}"
+        if num_stages > n_layers:
+            raise ParallelismError(
+                f"{source} asks for {num_stages} stages but the model has only {n_layers} "
+                f"layers; lower pipeline_parallel_degree ({pp}) or use a single-stage schedule."
+            )
+        stages = _even_split(n_layers, num_stages)
+    num_stages = len(stages)
+    if single and num_stages != pp:
+        raise ParallelismError(
+            f"{cls.__name__} runs one stage per rank, so it needs exactly {pp} stages "
+            f"(pipeline_parallel_degree), but {source} gives {num_stages}."
+        )
+    if not single and (num_stages % pp or num_stages < 2 * pp):
+        raise ParallelismError(
+            f"{cls.__name__} runs several stages per rank: it needs a multiple of "
+            f"pipeline_parallel_degree ({pp}) stages, at least {2 * pp}, but {source} gives "
+            f"{num_stages}."
+        )
+    if is_v_schedule(cls) and num_stages != 2 * pp:
+        raise ParallelismError(
+            f"{cls.__name__} needs exactly two stages per rank ({2 * pp} stages), but {source} "
+            f"gives {num_stages}."
+        )
+    return stages
+
+
+def _even_split(n_layers: int, num_stages: int) -> list[list[int]]:
+    """Contiguous runs of near-equal length; the leftover layers go to middle stages first,
+    since the first and last stages also carry the embedding and the output projection."""
+    base, extra = divmod(n_layers, num_stages)
+    order = list(range(1, num_stages - 1)) + [0, num_stages - 1] if num_stages > 2 else [0, 1]
+    sizes = [base] * num_stages
+    for s in order[:extra]:
+        sizes[s] += 1
+    out, start = [], 0
+    for size in sizes:
+        out.append(list(range(start, start + size)))
+        start += size
+    return out
+
+
+def stage_to_rank(pp: int, num_stages: int, v_style: bool) -> dict[int, int]:
+    """The pipeline rank of every stage.
+
+    Looped: stage s on rank s % pp. V: stages go down the ranks and back up, so with two stages
+    per rank, rank r holds r and 2*pp - 1 - r (torch's ZBV/DualPipeV placement).
+    """
+    owner = {}
+    for s in range(num_stages):
+        lap, pos = divmod(s, pp)
+        owner[s] = pp - 1 - pos if v_style and lap % 2 else pos
+    return owner
+
+
+def stage_ids_for_rank(pp_rank: int, pp: int, num_stages: int, v_style: bool) -> list[int]:
+    """The stages this pipeline rank runs, in increasing order."""
+    return [s for s, r in stage_to_rank(pp, num_stages, v_style).items() if r == pp_rank]
+
+
+def microbatch_count(
+    schedule_name: str, local_batch_size: int, microbatch_size: int, pp: int, num_stages: int
+) -> int:
+    """Pipeline microbatches per schedule step; raises ParallelismError where the schedule
+    cannot run them."""
+    cls = schedule_class(schedule_name)
+    key = "parallelism.pipeline_parallel_microbatch_size"
+    if local_batch_size % microbatch_size:
+        raise ParallelismError(
+            f"{key} = {microbatch_size} does not divide training.local_batch_size = "
+            f"{local_batch_size}; the quotient is the number of pipeline microbatches."
+        )
+    n = local_batch_size // microbatch_size
+    name = cls.__name__
+    if name in ("Schedule1F1B", "ScheduleDualPipeV") and n < num_stages:
+        raise ParallelismError(
+            f"{name} needs at least as many microbatches as stages ({num_stages}), but "
+            f"training.local_batch_size ({local_batch_size}) / {key} ({microbatch_size}) = {n}. "
+            "Raise the local batch size or lower the microbatch size."
+        )
+    if name in ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble"):
+        rounds = max(1, n // pp)
+        if n % rounds:
+            raise ParallelismError(
+                f"{name} needs the number of microbatches ({n} = local_batch_size "
+                f"{local_batch_size} / {key} {microbatch_size}) to be a multiple of "
+                f"max(1, microbatches // pipeline_parallel_degree) = {rounds}; use a multiple "
+                f"of {pp} microbatches."
+            )
+    return n
+
+
+def validate_pipeline_config(
+    parallelism, local_batch_size: int, n_layers: int, compile_model: bool = False
+) -> None:
+    """Every pipeline check that needs only the config: schedule name, stage plan, microbatch
+    count, compile compatibility. A no-op without pipeline parallelism."""
+    pp = parallelism.pipeline_parallel_degree
+    if pp <= 1:
+        return
+    name = parallelism.pipeline_parallel_schedule
+    stages = plan_stage_layers(
+        n_layers,
+        pp,
+        name,
+        layers_per_stage=parallelism.pipeline_parallel_layers_per_stage,
+        split_points=parallelism.pipeline_parallel_split_points,
+    )
+    microbatch_count(
+        name, local_batch_size, parallelism.pipeline_parallel_microbatch_size, pp, len(stages)
+    )
+    cls = schedule_class(name)
+    if compile_model and cls.__name__ in _SPLIT_BACKWARD_SCHEDULES:
+        raise ParallelismError(
+            f"{cls.__name__} splits backward into input and weight passes, which torch does "
+            "not support on compiled stages: disable compile.enable (or drop 'model' from "
+            "compile.components) or pick 1F1B, GPipe, Interleaved1F1B or LoopedBFS."
+        )
+
+
+def split_module(model: nn.Module, keep: Sequence[str]) -> nn.Module:
+    """A deep copy of `model` holding only the top-level modules and ModuleDict entries named
+    in `keep` ("tok_embeddings", "layers.3", ...); dropped ModuleDict entries are deleted (the
+    kept keys stay as they were), other dropped children become None."""
+    keep = set(keep)
+    stage = copy.deepcopy(model)
+    for name, child in list(stage.named_children()):
+        if isinstance(child, nn.ModuleDict):
+            for key in list(child.keys()):
+                if f"{name}.{key}" not in keep:
+                    del child[key]
+        elif name not in keep:
+            setattr(stage, name, None)
+    return stage
+
+
+def build_stages(
+    model: nn.Module,
+    module_names_per_stage: list[list[str]],
+    stage_ids: list[int],
+    pp_group,
+    device: torch.device,
+    parallelize: Callable[[nn.Module], nn.Module],
+):
+    """Stage modules and `PipelineStage`s for this rank's stage ids; each module goes through
+    `parallelize` (TP/AC/compile/FSDP over the non-pipeline dimensions) first."""
+    from torch.distributed.pipelining import PipelineStage
+
+    num_stages = len(module_names_per_stage)
+    parts, stages = [], []
+    for sid in stage_ids:
+        part = parallelize(split_module(model, module_names_per_stage[sid]))
+        parts.append(part)
+        stages.append(PipelineStage(part, sid, num_stages, device, group=pp_group))
+    return parts, stages
+
+
+def build_schedule(
+    stages: list,
+    schedule_name: str,
+    n_microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+):
+    """The named schedule over this rank's stages. `loss_fn` must already be normalised (sum of
+    token losses / tokens per optimizer step), so the schedule must not rescale gradients."""
+    cls = schedule_class(schedule_name)
+    if is_single_stage(cls):
+        if len(stages) != 1:
+            raise ParallelismError(f"{cls.__name__} takes one stage per rank, got {len(stages)}")
+        return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    schedule = cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    if is_v_schedule(cls):
+        # torch's eval() replays the training actions with backward disabled, and on V
+        # schedules the local hand-off of input gradients between a rank's two stages then
+        # asserts ("can't steal_bwd_input if this stage doesn't have backward"), so
+        # evaluation runs a plain forward pass over the same stages instead.
+        owner = stage_to_rank(stages[0].group_size, stages[0].num_stages, v_style=True)
+        schedule.eval = functools.partial(forward_only, stages, owner, n_microbatches, loss_fn)
+    return schedule
+
+
+_WIRE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+_HEADER_LEN = 8  # ndim, dtype index, up to 6 sizes
+
+
+def _send(tensor: torch.Tensor, group, group_dst: int) -> None:
+    """Blocking send of a tensor preceded by a fixed-size header (its dtype and shape)."""
+    dst = dist.get_global_rank(group, group_dst)
+    header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=tensor.device)
+    header[0], header[1] = tensor.dim(), _WIRE_DTYPES.index(tensor.dtype)
+    header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
+    dist.send(header, dst, group=group)
+    dist.send(tensor.contiguous(), dst, group=group)
+
+
+def _recv(group, group_src: int, device: torch.device) -> torch.Tensor:
+    src = dist.get_global_rank(group, group_src)
+    header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=device)
+    dist.recv(header, src, group=group)
+    ndim, dtype = int(header[0]), _WIRE_DTYPES[int(header[1])]
+    out = torch.empty(header[2 : 2 + ndim].tolist(), dtype=dtype, device=device)
+    dist.recv(out, src, group=group)
+    return out
+
+
+@torch.no_grad()
+def forward_only(
+    stages,
+    owner: dict[int, int],
+    n_microbatches: int,
+    loss_fn,
+    *args,
+    target=None,
+    losses: list | None = None,
+):
+    """Forward pass of every microbatch through all stages, no pipelining; same call as a
+    schedule's `eval`. Every rank walks (microbatch, stage) in the same order and only blocking
+    sends/receives between owners of adjacent stages happen, so it cannot deadlock."""
+    by_id = {s.stage_index: s for s in stages}
+    group, me = stages[0].group, stages[0].group_rank
+    num_stages, device = stages[0].num_stages, stages[0].device
+    inputs = args[0].tensor_split(n_microbatches) if args else None
+    targets = target.tensor_split(n_microbatches) if target is not None else None
+    mb_losses = []
+    for mb in range(n_microbatches):
+        x = None
+        for sid in range(num_stages):
+            if owner[sid] != me:
+                continue
+            if sid == 0:
+                x = inputs[mb]
+            elif owner[sid - 1] != me:
+                x = _recv(group, owner[sid - 1], device)
+            x = by_id[sid].submod(x)
+            if sid == num_stages - 1:  # logits may be a vocab-sharded DTensor (loss parallel)
+                mb_losses.append(loss_fn(x, targets[mb]))
+                continue
+            if isinstance(x, DTensor):  # stages exchange local tensors, as PipelineStage does
+                x = x.to_local()
+            if owner[sid + 1] != me:
+                _send(x, group, owner[sid + 1])
+    if losses is not None and num_stages - 1 in by_id:
+        losses.clear()
+        losses.extend(mb_losses)
