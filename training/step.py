@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -36,6 +37,13 @@ def _set_grad_sync(model_parts: list[nn.Module], enabled: bool) -> None:
             part.set_requires_gradient_sync(enabled)
 
 
+def _pp_step_kwargs(schedule) -> dict:
+    """Where torch allows it (newer than some 2.x releases), the last stage does not keep
+    every microbatch's full logits as step outputs: they are large and unused here."""
+    accepts = "return_outputs" in inspect.signature(schedule.step).parameters
+    return {"return_outputs": False} if accepts else {}
+
+
 def train_step(setup: StepSetup, microbatches: list[tuple[torch.Tensor, torch.Tensor]]):
     """Forward and backward over every micro-step; returns this rank's mean loss (a tensor,
     zero on pipeline stages that do not compute the loss). No host sync happens here."""
@@ -51,7 +59,9 @@ def train_step(setup: StepSetup, microbatches: list[tuple[torch.Tensor, torch.Te
                 losses = [] if setup.pp_last_stage else None
                 target = labels if setup.pp_last_stage else None
                 args = (inputs,) if setup.pp_first_stage else ()
-                setup.pp_schedule.step(*args, target=target, losses=losses)
+                setup.pp_schedule.step(
+                    *args, target=target, losses=losses, **_pp_step_kwargs(setup.pp_schedule)
+                )
                 if setup.pp_last_stage:
                     total += torch.stack([x.detach() for x in losses]).sum()
     return total
