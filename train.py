@@ -77,10 +77,11 @@ def check_config(cfg: JobConfig, world_size: int) -> ParallelDims:
             f"local_batch_size ({t.local_batch_size}) x data-parallel degree ({dims.dp}) = "
             f"{per_micro}; the quotient is the number of gradient-accumulation steps."
         )
-    if t.enable_cpu_offload and not (dims.dp_enabled and dims.zero_stage == 3):
+    if t.enable_cpu_offload and not (dims.dp_shard > 1 and dims.zero_stage == 3):
         raise ConfigError(
-            "training.enable_cpu_offload = true needs FSDP: zero_stage = 3 and a "
-            f"data-parallel degree > 1 (got zero_stage {dims.zero_stage}, DP degree {dims.dp})."
+            "training.enable_cpu_offload = true needs FSDP: zero_stage = 3 and "
+            f"data_parallel_shard_degree > 1 (got zero_stage {dims.zero_stage}, "
+            f"data_parallel_shard_degree {dims.dp_shard})."
         )
     args = build_model_args(
         cfg.model.name, cfg.model.flavor, t.seq_len, None, shape_overrides(cfg.model)

@@ -5,9 +5,10 @@ every N-th block (blocks N-1, 2N-1, ... stay whole otherwise); "selective" with 
 every block but saves the outputs of matmuls, attention and collectives, recomputing only
 the cheap elementwise ops (norms, SiLU, RoPE, residual adds).
 
-Blocks are wrapped with `checkpoint_wrapper`, whose `named_parameters()` and `state_dict()`
-drop the `_checkpoint_wrapped_module.` prefix, so FQNs (and checkpoints) are unchanged;
-`parallelisms.init_weights.canonical_name` strips it for any code that sees raw names.
+Blocks are wrapped with `checkpoint_wrapper` (the `model.layers` keys stay). `state_dict()`
+and DCP's `get_model_state_dict` drop the wrapper's `_checkpoint_wrapped_module.` prefix, so
+checkpoint keys are the plain FQNs; `named_parameters()` still shows it, and
+`parallelisms.init_weights.canonical_name` strips it where raw names are used.
 """
 
 from __future__ import annotations

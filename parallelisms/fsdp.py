@@ -11,6 +11,8 @@ Adam; bytes per rank after a step):
   stage 2  `apply_zero(stage=2)`  full params; each grad is reduce-scattered as backward
            produces it and only the shard is kept = 4 Psi + (4 + 8) Psi / N
   stage 3  `fully_shard` below    params, grads and Adam state all sharded = 16 Psi / N
+           (HSDP on the 2-D (dp_replicate, dp_shard) mesh: N = dp_shard; replicas only,
+           i.e. dp_shard = 1, is plain DDP = stage 0)
 
 Why stages 1-2 are not FSDP2 with resharding disabled: FSDP2 always keeps its sharded
 parameter *and* the all-gathered unsharded one, so `reshard_after_forward=False` +
@@ -57,6 +59,7 @@ def apply_fsdp(
     reshard_after_forward: str = "default",
     cpu_offload: bool = False,
     pp_enabled: bool = False,
+    pin_memory: bool = True,
 ) -> nn.Module:
     """ZeRO-3: shards each transformer block, then the root (embeddings, final norm, output).
 
@@ -71,7 +74,8 @@ def apply_fsdp(
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     kwargs = {"mesh": dp_mesh, "mp_policy": mp}
     if cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        # Pinned host memory makes the host<->GPU copies async; it needs an accelerator.
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=pin_memory)
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         if reshard_after_forward == "default":
@@ -91,7 +95,10 @@ def apply_data_parallel(
     """Applies `parallelism.zero_stage` over the data-parallel mesh (see the module doc)."""
     t, p = job_config.training, job_config.parallelism
     param_dtype, reduce_dtype = mixed_precision_dtypes(t, device_type)
-    if parallel_dims.zero_stage == 3:
+    stage = parallel_dims.zero_stage
+    if parallel_dims.dp_shard == 1:  # only replicas (dp_replicate > 1): nothing to shard
+        stage = 0
+    if stage == 3:
         return apply_fsdp(
             model,
             fsdp_mesh(parallel_dims),
@@ -100,11 +107,12 @@ def apply_data_parallel(
             reshard_after_forward=p.fsdp_reshard_after_forward,
             cpu_offload=t.enable_cpu_offload,
             pp_enabled=parallel_dims.pp_enabled,
+            pin_memory=device_type == "cuda",
         )
     return apply_zero(
         model,
         parallel_dims.dim("dp"),
-        parallel_dims.zero_stage,
+        stage,
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype,
     )

@@ -15,17 +15,22 @@ only this rank's shard of it. Gradients: stage 0 all-reduces them (averaged) and
 whole; stage 1 all-reduces them too and the master gradient is this rank's rows of the full
 gradient (a view: the full gradient stays allocated, as the ZeRO paper's stage 1 says);
 stage 2 reduce-scatters each gradient as soon as backward has produced it and frees the full
-one, keeping only this rank's shard. After the optimizer step, stages 1-2 all-gather the
-updated shards into the full parameters before the next forward.
+one, keeping only this rank's shard. Once the optimizer has updated the shards (seen by
+their version counters), stages 1-2 all-gather them into the full parameters at the next
+forward: the same traffic as DDP's all-reduce, split in two.
 
 Memory per rank in fp32 (Psi parameters, N data-parallel ranks, Adam): stage 0 16 Psi;
 stage 1 4 Psi + 4 Psi + 8 Psi / N; stage 2 4 Psi + 12 Psi / N (plus padding to N rows).
+With a lower compute dtype (bf16) the full parameters are bf16 and the masters separate fp32
+shards (the paper's fp32 master weights, 4 Psi / N); gradients are reduced in the reduce dtype
+and, being cast copies anyway, only their fp32 shards are kept (stages 1 and 2 alike).
 
 The master parameters are registered in the module except during forward and backward, when
 the compute parameters are (activation-checkpoint recomputation runs during backward and
-must see them). Gradients are reduced once per optimizer step when the trainer turns off
-`set_requires_gradient_sync` on the other micro-steps; reductions are issued asynchronously
-from per-parameter hooks as backward produces the gradients and waited on at its end.
+must see them). Gradients are reduced on the micro-steps with `set_requires_gradient_sync`
+on (the trainer turns it off for all but the last of an accumulation window); reductions are
+issued asynchronously from per-parameter hooks as backward produces the gradients, averaged
+with SUM then a division (gloo has no AVG), and waited on at the end of backward.
 """
 
 from __future__ import annotations
@@ -38,9 +43,17 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+# torch >= 2.13 renames the tensor collectives (the old names warn); 2.11 has only the old.
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
 # Stage 2 waits for older reduce-scatters once this many are in flight, so only a few full
 # gradients exist at a time while communication still overlaps backward.
 _MAX_IN_FLIGHT = 2
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class ZeroError(ValueError):
@@ -80,7 +93,8 @@ class ZeroState:
     reduce_dtype: torch.dtype
     params: list[_Param] = field(default_factory=list)
     sync: bool = True  # reduce gradients in this backward (off for accumulation micro-steps)
-    dirty: bool = True  # master values changed: refresh the compute parameters
+    dirty: bool = True  # rebuilt: refresh the compute parameters at the next forward
+    versions: tuple = ()  # masters' version counters at the last refresh
     pending_backwards: int = 0  # forwards with autograd whose backward has not finished
     callback_queued: bool = False
     hooks_installed: bool = False
@@ -169,7 +183,7 @@ class ZeroState:
     def pre_forward(self, module, args) -> None:
         if not self.hooks_installed:
             self._install_hooks()
-        if self.dirty:
+        if self.dirty or self._master_versions() != self.versions:
             self._refresh_compute()
         if torch.is_grad_enabled():
             self.pending_backwards += 1
@@ -198,12 +212,20 @@ class ZeroState:
             if self.stage > 0:
                 chunk = p.buffer.numel() // self.world
                 own = p.buffer[self.rank * chunk : (self.rank + 1) * chunk]
-                works.append(
-                    dist.all_gather_into_tensor(p.buffer, own, group=self.group, async_op=True)
-                )
+                works.append(_all_gather(p.buffer, own, group=self.group, async_op=True))
         for w in works:
             w.wait()
         self.dirty = False
+        self.versions = self._master_versions()
+
+    def _master_versions(self) -> tuple:
+        """Every in-place update of a master (optimizer step, checkpoint load) bumps its
+        tensor's version counter; a changed tuple means the compute parameters are stale."""
+        if self.stage == 0 and all(p.compute is p.master for p in self.params):
+            return ()
+        # A DTensor's in-place ops bump the wrapper's counter (its local one is bumped only by
+        # direct writes to the local tensor, e.g. by `init_weights`): watch both.
+        return tuple((p.master._version, _local(p.master)._version) for p in self.params)
 
     # --- backward ---------------------------------------------------------------------------
 
@@ -231,25 +253,26 @@ class ZeroState:
                 local = full
             p.compute.grad = None  # the full gradient is not kept (ZeRO-2)
             out = local.new_empty((p.rows_per_rank, *local.shape[1:]))
-            work = dist.reduce_scatter_tensor(out, local, group=self.group, async_op=True)
-            p.pending = (work, out, local)
+            work = _reduce_scatter(out, local, group=self.group, async_op=True)
+            p.pending = (work, out, local, True)
             self.in_flight.append(p)
             while len(self.in_flight) > _MAX_IN_FLIGHT:  # bounds the full gradients alive
                 self._complete(self.in_flight.pop(0))
             return
-        if local.dtype != self.reduce_dtype:
+        copied = local.dtype != self.reduce_dtype
+        if copied:
             local = local.to(self.reduce_dtype)
         work = dist.all_reduce(local, group=self.group, async_op=True)
-        p.pending = (work, local, None)
+        p.pending = (work, local, None, copied)
         self.in_flight.append(p)
 
     def _complete(self, p: _Param) -> None:
-        work, reduced, _ = p.pending
+        work, reduced, _, copied = p.pending
         p.pending = None
         work.wait()
         reduced.div_(self.world)
-        self._set_master_grad(p, reduced)
-        self.dirty = True  # the optimizer steps after a synchronised backward
+        self._set_master_grad(p, reduced, copied)
+        self.dirty = True  # an optimizer step normally follows (versions catch the rest)
 
     @torch.no_grad()
     def _finish_backward(self) -> None:
@@ -261,8 +284,9 @@ class ZeroState:
         if self.pending_backwards == 0:
             self._register(compute=False)
 
-    def _set_master_grad(self, p: _Param, reduced: torch.Tensor) -> None:
-        """Moves a reduced gradient onto the master parameter (accumulating if one is there)."""
+    def _set_master_grad(self, p: _Param, reduced: torch.Tensor, copied: bool) -> None:
+        """Moves a reduced gradient onto the master parameter (accumulating if one is there).
+        `copied`: `reduced` is not the compute parameter's own gradient (a dtype cast)."""
         master = p.master
         if self.stage == 0:
             if master is p.compute and reduced.dtype == master.dtype:
@@ -280,13 +304,11 @@ class ZeroState:
         else:
             if self.stage == 1:  # this rank's rows of the full all-reduced gradient
                 rows, rest = master.shape[0], master.shape[1:]
-                flat = reduced.reshape(-1)
-                if flat.numel() < p.buffer.numel():
-                    padded = flat.new_zeros(p.buffer.numel())
-                    padded[: flat.numel()].copy_(flat)
-                    flat = padded
-                local = self._own_rows(flat, p.rows_per_rank, rows, rest)
-                p.compute.grad = None  # `local` keeps the full gradient alive when it is a view
+                local = self._own_rows(reduced.reshape(-1), p.rows_per_rank, rows, rest)
+                if copied or reduced.dtype != master.dtype:
+                    local = local.clone()  # a cast: keep only the shard, free the full copy
+                # else `local` is a view that keeps the full gradient alive (ZeRO-1)
+                p.compute.grad = None
             else:
                 local = reduced[: self._valid_rows(p.rows_per_rank, master.shape[0])]
             local = self._as_shard(local.to(master.dtype), master.shape)

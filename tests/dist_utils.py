@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -26,6 +27,7 @@ class Run:
     folder: Path
     nproc: int
     args: list[str] = field(default_factory=list)
+    after: str | None = None  # start only once the run of this name has finished
     returncode: int | None = None
     output: str = ""
     seconds: float = 0.0
@@ -60,11 +62,15 @@ def _env() -> dict[str, str]:
 
 def launch_many(runs: list[Run], parallel: int = 2, timeout: float = 600) -> dict[str, Run]:
     """Runs every launch to completion, at most `parallel` at a time; returns them by name."""
-    pending, active = list(runs), []
+    pending, active, done = list(runs), [], set()
     deadline = time.monotonic() + timeout
     while pending or active:
-        while pending and len(active) < parallel:
-            run = pending.pop(0)
+        while len(active) < parallel:
+            ready = [r for r in pending if r.after is None or r.after in done]
+            if not ready:
+                break
+            run = ready[0]
+            pending.remove(run)
             run.folder.parent.mkdir(parents=True, exist_ok=True)
             log = open(run.folder.with_suffix(".log"), "w+")  # closed when the run ends
             proc = subprocess.Popen(run.command(), cwd=ROOT, env=_env(), stdout=log,
@@ -83,8 +89,37 @@ def launch_many(runs: list[Run], parallel: int = 2, timeout: float = 600) -> dic
             run.output = log.read()[-20000:]
             log.close()
             active.remove(item)
+            done.add(run.name)
     return {r.name: r for r in runs}
 
 
 def launch(run: Run, timeout: float = 600) -> Run:
     return launch_many([run], parallel=1, timeout=timeout)[run.name]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned(rank: int, fn, world: int, port: int, args: tuple) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, world: int, *args) -> None:
+    """Runs `fn(rank, world, *args)` on `world` fresh processes joined in one gloo group;
+    `fn` must be a module-level function. Raises if any rank fails."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_spawned, args=(fn, world, _free_port(), args), nprocs=world,
+                       start_method="spawn")  # fmt: skip
