@@ -304,6 +304,14 @@ class CheckpointManager:
                 use_async=False,
             )
 
+    def save(self, step: int) -> None:
+        """A full checkpoint at `step` now, off the interval (e.g. when a stop is requested);
+        asynchronous in the async modes (`close()` waits for it)."""
+        self._poll()
+        self._save(
+            step, kind="full", components=COMPONENTS, use_async=self.async_mode != "disabled"
+        )
+
     def maybe_wait_for_staging(self) -> None:
         """Call before the optimizer changes the weights: with pinned-memory async staging
         the device-to-host copy of the last save may still be running."""

@@ -319,3 +319,15 @@ def test_checkpoint_info_describes_a_checkpoint(tmp_path, capsys):
     assert "consumed_sequences': 4" in out
     total = sum(p.numel() * 4 for p in run.parts[0].parameters()) * 3  # weights + 2 Adam moments
     assert f"{total + 4 * len(list(run.parts[0].parameters()))} bytes" in out  # + Adam steps
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_save_off_the_interval(tmp_path, mode):
+    """`save(step)` (used when a stop is requested) writes a full checkpoint at any step."""
+    run = Run(make_cfg(tmp_path, async_mode=mode, interval=100))
+    run.train(3)
+    assert not (tmp_path / "checkpoint").exists()
+    run.ckpt.save(3)
+    run.ckpt.close()
+    again = Run(make_cfg(tmp_path))
+    assert again.ckpt.load() and again.progress.step == 3 and again.loader.position == 6
