@@ -361,7 +361,7 @@ class CheckpointManager:
                 )
             if self.rank == 0:
                 commit(tmp, final, layout)
-                purge(self.folder, self.ckpt.keep_latest_k)
+                purge(self.folder, self.ckpt.keep_latest_k, final)
             self._log(
                 logging.INFO, "checkpoint: saved %s in %.2f s", final, time.perf_counter() - t0
             )
@@ -402,7 +402,7 @@ class CheckpointManager:
             raise CheckpointError(f"async checkpoint save of {p.final.name} failed: {e}") from e
         if self.rank == 0:
             commit(p.tmp, p.final, p.layout)
-            purge(self.folder, self.ckpt.keep_latest_k)
+            purge(self.folder, self.ckpt.keep_latest_k, p.final)
         self._log(
             logging.INFO,
             "checkpoint: saved %s (async, %.2f s after staging began)",

@@ -153,9 +153,11 @@ def remove_checkpoint(path: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def purge(folder: Path, keep_latest_k: int) -> list[Path]:
+def purge(folder: Path, keep_latest_k: int, protect: Path | None = None) -> list[Path]:
     """Rank 0, after a commit: deletes leftovers of interrupted saves and, when
-    `keep_latest_k` > 0, all but the newest k complete checkpoints. Returns what it removed."""
+    `keep_latest_k` > 0, all but the newest k complete checkpoints, never `protect` (the one
+    just committed, which may be older than others after a resume from load_step). Returns
+    what it removed."""
     folder = Path(folder)
     removed = []
     for entry in sorted(folder.iterdir()):
@@ -164,6 +166,8 @@ def purge(folder: Path, keep_latest_k: int) -> list[Path]:
             removed.append(entry)
     if keep_latest_k > 0:
         for _, path in list_checkpoints(folder, warn=False)[:-keep_latest_k]:
+            if protect is not None and path.name == Path(protect).name:
+                continue
             remove_checkpoint(path)
             removed.append(path)
     for path in removed:

@@ -331,3 +331,12 @@ def test_save_off_the_interval(tmp_path, mode):
     run.ckpt.close()
     again = Run(make_cfg(tmp_path))
     assert again.ckpt.load() and again.progress.step == 3 and again.loader.position == 6
+
+
+def test_keep_latest_k_never_deletes_the_checkpoint_just_saved(tmp_path):
+    Run(make_cfg(tmp_path)).train(6)  # step-2, step-4, step-6
+    older = Run(make_cfg(tmp_path, load_step=2, keep_latest_k=2, interval=3))
+    older.ckpt.load()
+    older.train(3)  # saves step-3, older than the two newest
+    names = sorted(p.name for p in (tmp_path / "checkpoint").iterdir())
+    assert names == ["step-3", "step-4", "step-6"]
