@@ -1,0 +1,445 @@
+"""Throughput benchmark: meshtrain layouts and a hand-written PyTorch loop, side by side.
+
+    python scripts/bench.py [--rows single_eager,single_compiled,bare] [--repeats 3] \
+        [--steps 8] [--warmup 3] [--baseline bare] [--output benchmarks/NAME] \
+        [--section.key value ...]          # any train.py override, applied to every row
+
+Every row is one fresh process tree (`train.py`, under torchrun when it has several ranks,
+or the `bare` loop), run `--repeats` times, interleaved A B C A B C ... so machine drift hits
+every row alike. Each run's steady steps (after `--warmup`) give a median step time; a row
+reports the median over its repeats and the spread (min-max of the repeats' tokens/s).
+
+Columns: tokens/s per device (global tokens / world size / step time, as train.py logs it),
+step time, achieved TFLOP/s of the whole machine (6N + 12·L·H·Dh·S FLOPs per token, causal
+attention at full cost, metrics/flops.py), MFU against a peak measured here in the same
+invocation (a dense fp32 matmul on all cores on CPU; the datasheet peak on GPUs), peak memory
+per rank (the largest rank's peak RSS on CPU, from the kernel's rusage of the process tree;
+CUDA max allocated on GPUs, from the trainer's log), parameter + gradient + optimizer bytes
+held per rank (memory_report after step 1), and the ratio to the baseline row.
+
+Row `bare` is a plain PyTorch loop over the same model class: model, AdamW (foreach), fp32
+cross-entropy, backward, grad-norm clip, step, zero_grad, `loss.item()` each step (as
+train.py does at log_freq 1) — no meshtrain code between the batch and the next batch.
+Threads: single-process rows use all cores; an N-rank row gives each rank cores/N.
+Results go to <output>/bench.json and <output>/bench.md with machine, torch, command, date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+HELD = re.compile(
+    r"held per rank: params ([\d.]+) MiB, grads ([\d.]+) MiB, optimizer state ([\d.]+)"
+)
+PP_SCHEDULES = ["1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble"]
+
+
+@dataclass
+class Row:
+    name: str
+    nproc: int = 1
+    args: list[str] = field(default_factory=list)
+    bare: bool = False
+    note: str = ""
+
+
+def _rows() -> dict[str, Row]:
+    z = "--parallelism.zero_stage"
+    rows = [
+        Row("bare", bare=True, note="hand-written PyTorch loop, same model"),
+        Row("single_eager", note="train.py, 1 process"),
+        Row("single_compiled", args=["--compile.enable", "true"], note="regional compile"),
+        Row("single_ac_full", args=["--activation_checkpoint.mode", "full"]),
+        Row("single_ac_selective", args=["--activation_checkpoint.mode", "selective"]),
+        Row("ddp_2", 2, [z, "0"], note="DDP"),
+        Row("zero1_2", 2, [z, "1"], note="ZeRO-1"),
+        Row("zero2_2", 2, [z, "2"], note="ZeRO-2"),
+        Row("zero3_2", 2, [z, "3"], note="FSDP2 (ZeRO-3)"),
+        Row("zero3_offload_2", 2, [z, "3", "--training.enable_cpu_offload", "true"]),
+        Row("ddp_4", 4, [z, "0"], note="DDP"),
+        Row("zero3_4", 4, [z, "3"], note="FSDP2 (ZeRO-3)"),
+        Row(
+            "tp_2",
+            2,
+            [
+                "--parallelism.tensor_parallel_degree",
+                "2",
+                "--parallelism.data_parallel_shard_degree",
+                "1",
+            ],
+            note="TP 2 + loss parallel",
+        ),
+    ]
+    for s in PP_SCHEDULES:
+        rows.append(
+            Row(
+                f"pp_2_{s}",
+                2,
+                [
+                    "--parallelism.pipeline_parallel_degree", "2",
+                    "--parallelism.data_parallel_shard_degree", "1",
+                    "--parallelism.pipeline_parallel_schedule", s,
+                ],
+                note=f"PP 2, {s}",
+            )
+        )  # fmt: skip
+    return {r.name: r for r in rows}
+
+
+ROWS = _rows()
+DEFAULT_ROWS = "bare,single_eager,single_compiled"
+DP_ROW = re.compile(r"^(ddp|zero1|zero2|zero3)_(\d+)$")
+DP_NOTES = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "FSDP2 (ZeRO-3)"}
+
+
+def get_row(name: str) -> Row | None:
+    """A named row, or a data-parallel row at any rank count: ddp_N, zero1_N, zero2_N, zero3_N."""
+    if name in ROWS:
+        return ROWS[name]
+    m = DP_ROW.match(name)
+    if not m:
+        return None
+    stage = "0" if m[1] == "ddp" else m[1][-1]
+    return Row(name, int(m[2]), ["--parallelism.zero_stage", stage], note=DP_NOTES[m[1]])
+
+
+def estimated_mib(row: Row, ns, extra: list[str]) -> float | None:
+    """Parameter + gradient + AdamW MiB per rank that parallelisms/estimate predicts."""
+    if row.bare:
+        return None
+    import torch
+
+    from config import parse_args
+    from models import build_model_args, get_model_spec, shape_overrides
+    from parallelisms.estimate import simulate
+
+    cfg = parse_args(["--config", ns.config, *extra, *row.args])
+    args = build_model_args(
+        cfg.model.name, cfg.model.flavor, cfg.training.seq_len, 4096, shape_overrides(cfg.model)
+    )
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    plan = simulate(get_model_spec(cfg.model.name), args, cfg, row.nproc, device_type=device)
+    return plan.ranks[0].states / 2**20
+
+
+def machine() -> dict:
+    import torch
+
+    from metrics.peak_flops import cpu_model_name
+
+    info = {
+        "cpu": cpu_model_name(),
+        "cores": os.cpu_count(),
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    return info
+
+
+def measure_peak(cores: int, sizes: tuple[int, ...] = (1024, 2048)) -> tuple[float, str]:
+    """Machine peak in FLOP/s: on CPU the best fp32 square-matmul rate on all cores (sizes
+    1024-2048, a few seconds); on CUDA the datasheet peak of the dtype train.py computes in."""
+    import torch
+
+    from metrics.peak_flops import lookup_gpu_peak, measure_matmul_flops
+
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
+        peak = lookup_gpu_peak(name, torch.bfloat16) or 0.0
+        return peak * torch.cuda.device_count(), f"datasheet bf16 x {torch.cuda.device_count()}"
+    torch.set_num_threads(cores)
+    best, best_size = 0.0, 0
+    for size in sizes:
+        flops = measure_matmul_flops(torch.device("cpu"), torch.float32, size, iters=5)
+        if flops > best:
+            best, best_size = flops, size
+    return best, f"measured fp32 {best_size}x{best_size} matmul, {cores} threads"
+
+
+def flops_per_token(overrides: list[str]) -> tuple[float, int]:
+    """(FLOPs per token, parameters) of the configured model, counted on the meta device."""
+    import torch
+
+    from config import parse_args
+    from metrics import count_params
+    from metrics import flops_per_token as fpt
+    from models import build_model_args, get_model_spec, shape_overrides
+
+    cfg = parse_args(overrides)
+    args = build_model_args(
+        cfg.model.name, cfg.model.flavor, cfg.training.seq_len, 4096, shape_overrides(cfg.model)
+    )
+    with torch.device("meta"):
+        model = get_model_spec(cfg.model.name).model_cls(args)
+    n = count_params(model, exclude_embedding=True)
+    return fpt(n, args.n_layers, args.n_heads, args.head_dim, cfg.training.seq_len), count_params(
+        model
+    )
+
+
+def _command(row: Row, ns, extra: list[str], folder: Path) -> tuple[list[str], dict]:
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // row.nproc)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    common = ["--config", ns.config, "--job.dump_folder", str(folder)]
+    common += ["--training.steps", str(ns.steps), "--metrics.log_freq", "1"]
+    common += ["--validation.enable", "false", "--metrics.enable_tensorboard", "false"]
+    common += [*extra, *row.args]
+    if row.bare:
+        return [sys.executable, __file__, "--bare-worker", *common], env
+    if row.nproc == 1:
+        return [sys.executable, "train.py", *common], env
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    return [*launch, f"--nproc_per_node={row.nproc}", "train.py", *common], env
+
+
+def run_once(row: Row, ns, extra: list[str], repeat: int) -> dict:
+    folder = Path(ns.output) / "runs" / f"{row.name}.{repeat}"
+    if folder.exists():
+        for p in sorted(folder.rglob("*"), reverse=True):
+            p.unlink() if p.is_file() or p.is_symlink() else p.rmdir()
+    folder.mkdir(parents=True)
+    cmd, env = _command(row, ns, extra, folder)
+    t0 = time.perf_counter()
+    with open(folder / "stdout.txt", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        # wait4: the rusage of the whole tree (torchrun waits for its workers), so ru_maxrss
+        # is the largest peak RSS of any process in it, i.e. the biggest rank's.
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    wall = time.perf_counter() - t0
+    if proc.returncode:
+        tail = (folder / "stdout.txt").read_text()[-3000:]
+        raise RuntimeError(f"row {row.name} failed (rc {proc.returncode}):\n{tail}")
+    records = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r.get("kind", "train") == "train"]
+    steady = train[min(ns.warmup, len(train) - 1) :]
+    held = []
+    for log in sorted((folder / "logs").glob("rank_*.log")) if (folder / "logs").exists() else []:
+        m = HELD.search(log.read_text())
+        if m:
+            held.append(sum(float(x) for x in m.groups()))
+    memory = [r for r in records if r.get("kind") == "memory"]
+    if not held and memory:  # single rank: the memory record of step 1
+        held = [sum(v for k, v in memory[0].items() if k.startswith("held_") and "mib" in k)]
+    return {
+        "step_s": statistics.median(r["step_time_s"] for r in steady),
+        "tok_s_dev": statistics.median(r["tokens_per_sec"] for r in steady),
+        "first_step_s": train[0]["step_time_s"],
+        "loss": train[-1]["loss"],
+        "rss_gib": usage.ru_maxrss * 1024 / 2**30,
+        "logged_mem_gib": max(r.get("memory_gib", 0.0) for r in train),
+        "held_mib": max(held) if held else None,
+        "wall_s": wall,
+    }
+
+
+def summarise(row: Row, runs: list[dict], fpt: float, peak: float) -> dict:
+    import torch
+
+    tok = [r["tok_s_dev"] for r in runs]
+    tok_med = statistics.median(tok)
+    achieved = tok_med * row.nproc * fpt
+    cuda = torch.cuda.is_available()
+    return {
+        "row": row.name,
+        "note": row.note,
+        "ranks": row.nproc,
+        "tok_s_dev": tok_med,
+        "tok_s_min": min(tok),
+        "tok_s_max": max(tok),
+        "spread_pct": 100 * (max(tok) - min(tok)) / tok_med if tok_med else 0.0,
+        "step_s": statistics.median(r["step_s"] for r in runs),
+        "first_step_s": statistics.median(r["first_step_s"] for r in runs),
+        "tflops": achieved / 1e12,
+        "mfu_pct": 100 * achieved / peak if peak else 0.0,
+        "peak_mem_gib": max(r["logged_mem_gib" if cuda else "rss_gib"] for r in runs),
+        "held_mib": runs[0]["held_mib"],
+        "loss": runs[-1]["loss"],
+        "repeats": len(runs),
+    }
+
+
+def table(results: list[dict], baseline: str | None) -> list[str]:
+    base = next((r for r in results if r["row"] == baseline), None)
+    head = (
+        f"| row | ranks | tok/s/dev | spread | step s | TFLOP/s | MFU % | peak mem/rank GiB "
+        f"| held MiB/rank | est MiB | vs {baseline or '-'} | first step s | final loss |"
+    )
+    lines = [head, "|" + "---|" * 13]
+    for r in results:
+        ratio = f"{r['tok_s_dev'] / base['tok_s_dev']:.3f}" if base else "-"
+        held = f"{r['held_mib']:.1f}" if r["held_mib"] is not None else "-"
+        est = f"{r['est_mib']:.1f}" if r.get("est_mib") is not None else "-"
+        lines.append(
+            f"| {r['row']} | {r['ranks']} | {r['tok_s_dev']:,.0f} | ±{r['spread_pct'] / 2:.1f}% "
+            f"| {r['step_s']:.3f} | {r['tflops']:.3f} | {r['mfu_pct']:.1f} "
+            f"| {r['peak_mem_gib']:.2f} | {held} | {est} | {ratio} | {r['first_step_s']:.2f} "
+            f"| {r['loss']:.4f} |"
+        )
+    return lines
+
+
+def bare_worker(argv: list[str]) -> int:
+    """The baseline: setup through meshtrain's config/model registry, then a plain loop."""
+    import torch
+    import torch.nn.functional as F
+
+    from config import parse_args
+    from models import build_model_args, get_model_spec, shape_overrides
+    from parallelisms.init_weights import init_weights
+
+    cfg = parse_args(argv)
+    t, o = cfg.training, cfg.optimizer
+    folder = Path(cfg.job.dump_folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.debug.seed)
+    args = build_model_args(
+        cfg.model.name, cfg.model.flavor, t.seq_len, 4096, shape_overrides(cfg.model)
+    )
+    with torch.device("meta"):
+        model = get_model_spec(cfg.model.name).model_cls(args)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        init_weights(model, cfg.debug.seed)
+    model.init_buffers("cpu")
+    model.train()
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+        weight_decay=o.weight_decay, foreach=True,
+    )  # fmt: skip
+    b, s = t.local_batch_size, t.seq_len
+    data = torch.randint(0, args.vocab_size, (t.steps, b, s + 1))
+    params = list(model.parameters())
+    with open(folder / "metrics.jsonl", "w") as out:
+        for step in range(t.steps):
+            t0 = time.perf_counter()
+            batch = data[step]
+            inputs, labels = batch[:, :-1], batch[:, 1:]
+            logits = model(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, t.max_norm, foreach=True)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            value = loss.item()
+            dt = time.perf_counter() - t0
+            rec = {"step": step + 1, "kind": "train", "loss": value, "step_time_s": dt}
+            rec["tokens_per_sec"] = b * s / dt
+            rec["memory_gib"] = 0.0
+            out.write(json.dumps(rec) + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--bare-worker":
+        return bare_worker(argv[1:])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--rows", default=DEFAULT_ROWS, help=f"comma list of: {', '.join(ROWS)}")
+    ap.add_argument("--config", default="debug_model")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3, help="start-up steps left out of medians")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--baseline", default="bare", help="row the ratio column divides by")
+    ap.add_argument("--output", default=str(ROOT / "outputs" / "bench"))
+    ap.add_argument("--title", default="")
+    ap.add_argument("--peak-sizes", default="1024,2048", help="CPU matmul sizes for the peak")
+    ap.add_argument(
+        "--estimate", action="store_true", help="add the estimator's held MiB/rank (est MiB)"
+    )
+    ns, extra = ap.parse_known_args(argv)
+    names = [n.strip() for n in ns.rows.split(",") if n.strip()]
+    unknown = [n for n in names if get_row(n) is None]
+    if unknown:
+        ap.error(f"unknown rows {unknown}; known: {', '.join(ROWS)}, ddp_N, zero[123]_N")
+    rows = [get_row(n) for n in names]
+    Path(ns.output).mkdir(parents=True, exist_ok=True)
+    cores = os.cpu_count() or 1
+    started = datetime.datetime.now(datetime.timezone.utc)
+    info = machine()
+    fpt, n_params = flops_per_token(["--config", ns.config, *extra])
+    sizes = tuple(int(x) for x in ns.peak_sizes.split(","))
+    peak, peak_src = measure_peak(cores, sizes)
+    print(f"{info['cpu']}, {cores} cores, torch {info['torch']}; peak {peak / 1e12:.3f} "
+          f"TFLOP/s ({peak_src}); model {n_params:,} params, {fpt / 1e9:.3f} GFLOP/token",
+          flush=True)  # fmt: skip
+    runs: dict[str, list[dict]] = {r.name: [] for r in rows}
+    for rep in range(ns.repeats):
+        for row in rows:
+            load = os.getloadavg()[0]
+            res = run_once(row, ns, extra, rep)
+            res["load_before"] = load
+            runs[row.name].append(res)
+            print(f"  repeat {rep} {row.name:22} {res['tok_s_dev']:>10,.0f} tok/s/dev  "
+                  f"step {res['step_s']:.3f}s  load {load:.1f}  ({res['wall_s']:.0f}s)",
+                  flush=True)  # fmt: skip
+    results = [summarise(r, runs[r.name], fpt, peak) for r in rows]
+    for r, res in zip(rows, results, strict=True):
+        res["est_mib"] = estimated_mib(r, ns, extra) if ns.estimate else None
+    peak_after, _ = measure_peak(cores, sizes)
+    lines = table(results, ns.baseline if ns.baseline in runs else None)
+    command = "python scripts/bench.py " + shlex.join(argv)
+    header = [
+        f"# {ns.title or 'meshtrain benchmark'}",
+        "",
+        f"- date: {started:%Y-%m-%d %H:%M} UTC",
+        f"- machine: {info['cpu']}, {cores} cores, {info['memory_gib']} GiB, "
+        f"{info['gpu'] or 'no GPU'}; {info['platform']}",
+        f"- torch {info['torch']}, Python {info['python']}",
+        f"- command: `{command}`",
+        f"- model: config {ns.config} {' '.join(extra)}: {n_params:,} parameters, "
+        f"{fpt / 1e9:.3f} GFLOP/token (6N + 12·L·H·Dh·S, causal at full cost)",
+        f"- peak: {peak / 1e12:.3f} TFLOP/s ({peak_src}; {peak_after / 1e12:.3f} re-measured "
+        "after the runs); MFU = all ranks' model FLOP/s / this peak",
+        f"- {ns.steps} steps per run, medians over steps {ns.warmup + 1}-{ns.steps}, then the "
+        f"median over {ns.repeats} interleaved repeats; spread = half the min-max range",
+        f"- 1-minute load average before the runs: "
+        f"{min(x['load_before'] for v in runs.values() for x in v):.1f}-"
+        f"{max(x['load_before'] for v in runs.values() for x in v):.1f}",
+        "",
+    ]
+    md = "\n".join(header + lines) + "\n"
+    print("\n" + md)
+    payload = {
+        "date": started.isoformat(),
+        "command": command,
+        "machine": info,
+        "peak_flops": peak,
+        "peak_flops_after": peak_after,
+        "peak_source": peak_src,
+        "flops_per_token": fpt,
+        "params": n_params,
+        "config": ns.config,
+        "overrides": extra,
+        "steps": ns.steps,
+        "warmup": ns.warmup,
+        "baseline": ns.baseline,
+        "rows": results,
+        "runs": runs,
+    }
+    (Path(ns.output) / "bench.json").write_text(json.dumps(payload, indent=1) + "\n")
+    (Path(ns.output) / "bench.md").write_text(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""Smoke test of scripts/bench.py: a tiny model, the bare loop, one and two ranks, one repeat.
+Checks the table's shape and files only (no timing assertions)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4"]
+TINY += ["--model.n_kv_heads", "2", "--training.seq_len", "32", "--training.local_batch_size", "2"]
+
+
+def test_bench_smoke(tmp_path):
+    cmd = [sys.executable, "scripts/bench.py", "--rows", "bare,single_eager,zero3_2"]
+    cmd += ["--steps", "3", "--warmup", "1", "--repeats", "1", "--estimate"]
+    cmd += ["--peak-sizes", "256"]
+    cmd += ["--output", str(tmp_path), *TINY]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    data = json.loads((tmp_path / "bench.json").read_text())
+    rows = {r["row"]: r for r in data["rows"]}
+    assert list(rows) == ["bare", "single_eager", "zero3_2"]
+    assert data["peak_flops"] > 0 and data["flops_per_token"] > 0
+    for r in rows.values():
+        assert r["tok_s_dev"] > 0 and r["step_s"] > 0 and r["peak_mem_gib"] > 0
+        assert r["mfu_pct"] > 0
+    assert rows["zero3_2"]["ranks"] == 2 and rows["zero3_2"]["held_mib"] > 0
+    # the estimator predicts exactly what FSDP2 holds (parameters + gradients + AdamW)
+    assert abs(rows["zero3_2"]["held_mib"] - rows["zero3_2"]["est_mib"]) < 0.2
+    md = (tmp_path / "bench.md").read_text()
+    assert "vs bare" in md and "command:" in md and "machine:" in md
+    assert all(f"| {name} |" in md for name in rows)
