@@ -15,6 +15,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -186,7 +187,7 @@ def _sbatch(env: dict, tmp: Path, name: str, extra: str) -> tuple[str, Path]:
         "DUMP_FOLDER": str(dump),
         "NPROC_PER_NODE": "2",
         "RDZV_PORT": str(_free_port()),
-        "PYTHON": str(ROOT / ".venv" / "bin" / "python"),
+        "PYTHON": sys.executable,
     }
     out = _run(
         ["sbatch", "--parsable", "--job-name", name, "--nodes=1", "--ntasks-per-node=1",
@@ -225,6 +226,10 @@ def _records(dump: Path) -> list[dict]:
     return [r for r in records if r["kind"] == "train"]
 
 
+def _node_out(dump: Path) -> str:
+    return "".join(p.read_text()[-4000:] for p in dump.glob("slurm/*.out"))
+
+
 def _out(tmp: Path, name: str) -> str:
     return "".join(p.read_text() for p in sorted(tmp.glob(f"{name}-*.out")))
 
@@ -252,7 +257,10 @@ def jobs(cluster):
     deadline = time.monotonic() + 240
     while len(_records(dump)) < 3:
         assert time.monotonic() < deadline, _out(tmp, "preempt")[-4000:]
-        assert _job(env, job_id).get("JobState") in ("PENDING", "RUNNING", "CONFIGURING")
+        state = _job(env, job_id).get("JobState")
+        assert state in ("PENDING", "RUNNING", "CONFIGURING"), (
+            f"job {state}:\n" + _out(tmp, "preempt")[-4000:] + _node_out(dump)
+        )
         time.sleep(0.5)
     # What `#SBATCH --signal=B:USR1@120` does before the time limit: USR1 to the batch shell.
     _run(["scancel", "--batch", "--signal=USR1", job_id], env=env)
@@ -263,7 +271,7 @@ def test_sbatch_two_worker_run_writes_metrics_and_checkpoints(cluster, jobs):
     env, tmp = cluster
     job_id, dump = jobs["basic"]
     info = _wait_done(env, job_id)
-    detail = _out(tmp, "basic") + "".join(p.read_text() for p in dump.glob("slurm/*.out"))
+    detail = _out(tmp, "basic") + _node_out(dump)
     assert info["JobState"] == "COMPLETED", detail[-4000:]
     assert [r["step"] for r in _records(dump)] == list(range(1, 7))
     assert sorted(p.name for p in (dump / "checkpoint").glob("step-*")) == ["step-3", "step-6"]
@@ -276,7 +284,7 @@ def test_time_limit_warning_checkpoints_requeues_and_resumes(cluster, jobs):
     job_id, dump = jobs["preempt"]
     info = _wait_done(env, job_id, timeout=400)
     out = _out(tmp, "preempt")
-    assert info["JobState"] == "COMPLETED", out[-4000:]
+    assert info["JobState"] == "COMPLETED", out[-4000:] + _node_out(dump)
     assert int(info["Restarts"]) == 1, info
     assert "stopped by SIGUSR1: requeueing job" in out
     log0 = (dump / "logs" / "rank_0.log").read_text()
