@@ -15,11 +15,23 @@ import torch
 from torch import nn
 
 
+def _own_input(module: nn.Module, args: tuple):
+    """Gives a compiled block its own copy of an input that is a view: under tensor
+    parallelism the first block's input is `DTensor.to_local()` of the embedding's output, and
+    AOT autograd's handling of view inputs then loses that DTensor backward (torch 2.13 fails
+    with "'Tensor' object has no attribute '_local_tensor'")."""
+    x = args[0] if args else None
+    if isinstance(x, torch.Tensor) and x._is_view():
+        return (x.clone(), *args[1:])
+    return None
+
+
 def apply_compile(model: nn.Module) -> nn.Module:
     """Compiles the forward of every entry of `model.layers` (`fullgraph`: a graph break is
     an error, not a silent slowdown)."""
     for block in model.layers.values():
         block.forward = torch.compile(block.forward, fullgraph=True)
+        block.register_forward_pre_hook(_own_input)
     return model
 
 

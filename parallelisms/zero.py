@@ -15,9 +15,9 @@ only this rank's shard of it. Gradients: stage 0 all-reduces them (averaged) and
 whole; stage 1 all-reduces them too and the master gradient is this rank's rows of the full
 gradient (a view: the full gradient stays allocated, as the ZeRO paper's stage 1 says);
 stage 2 reduce-scatters each gradient as soon as backward has produced it and frees the full
-one, keeping only this rank's shard. Once the optimizer has updated the shards (seen by
-their version counters), stages 1-2 all-gather them into the full parameters at the next
-forward: the same traffic as DDP's all-reduce, split in two.
+one, keeping only this rank's shard. Once the optimizer has updated the shards (a global
+optimizer step hook says so; version counters catch other writes), stages 1-2 all-gather them
+into the full parameters at the next forward: the same traffic as DDP's all-reduce, in two.
 
 Memory per rank in fp32 (Psi parameters, N data-parallel ranks, Adam): stage 0 16 Psi;
 stage 1 4 Psi + 4 Psi + 8 Psi / N; stage 2 4 Psi + 12 Psi / N (plus padding to N rows).
@@ -35,6 +35,7 @@ with SUM then a division (gloo has no AVG), and waited on at the end of backward
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 # torch >= 2.13 renames the tensor collectives (the old names warn); 2.11 has only the old.
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -83,7 +85,7 @@ class _Param:
         )
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: kept in a WeakSet
 class ZeroState:
     """Runtime state of one ZeRO-wrapped module (one model or pipeline stage)."""
 
@@ -219,8 +221,8 @@ class ZeroState:
         self.versions = self._master_versions()
 
     def _master_versions(self) -> tuple:
-        """Every in-place update of a master (optimizer step, checkpoint load) bumps its
-        tensor's version counter; a changed tuple means the compute parameters are stale."""
+        """In-place writes to a master outside the optimizer (checkpoint load, `init_weights`)
+        bump its version counter; a changed tuple means the compute parameters are stale."""
         if self.stage == 0 and all(p.compute is p.master for p in self.params):
             return ()
         # A DTensor's in-place ops bump the wrapper's counter (its local one is bumped only by
@@ -272,7 +274,6 @@ class ZeroState:
         work.wait()
         reduced.div_(self.world)
         self._set_master_grad(p, reduced, copied)
-        self.dirty = True  # an optimizer step normally follows (versions catch the rest)
 
     @torch.no_grad()
     def _finish_backward(self) -> None:
@@ -333,6 +334,28 @@ class ZeroModule:
         return out
 
 
+_LIVE: weakref.WeakSet[ZeroState] = weakref.WeakSet()
+
+
+def _after_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Runs after every `optimizer.step()` (a global hook): the masters it updated make the
+    compute parameters stale, and no forward is waiting for its backward any more, so the
+    masters are registered again (a pipeline's shape-inference forward has no backward)."""
+    if not _LIVE:
+        return
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for state in list(_LIVE):
+        if any(id(p.master) in stepped for p in state.params):
+            state.dirty = True
+            state.pending_backwards = 0
+            state._register(compute=False)
+
+
+# Foreach/fused optimizer kernels on DTensors bump no version counter, so an explicit hook
+# is what tells ZeRO that the masters changed.
+register_optimizer_step_post_hook(_after_optimizer_step)
+
+
 def apply_zero(
     model: nn.Module,
     dp_mesh: DeviceMesh,
@@ -347,6 +370,7 @@ def apply_zero(
     if dp_mesh.ndim != 1:
         raise ZeroError("ZeRO stages 0-2 need a 1-D data-parallel mesh (no HSDP).")
     state = ZeroState(stage, dp_mesh, param_dtype, reduce_dtype)
+    _LIVE.add(state)
     seen = set()
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):

@@ -28,6 +28,7 @@ class Run:
     nproc: int
     args: list[str] = field(default_factory=list)
     after: str | None = None  # start only once the run of this name has finished
+    env: dict[str, str] = field(default_factory=dict)  # extra environment variables
     returncode: int | None = None
     output: str = ""
     seconds: float = 0.0
@@ -73,8 +74,14 @@ def launch_many(runs: list[Run], parallel: int = 2, timeout: float = 600) -> dic
             pending.remove(run)
             run.folder.parent.mkdir(parents=True, exist_ok=True)
             log = open(run.folder.with_suffix(".log"), "w+")  # closed when the run ends
-            proc = subprocess.Popen(run.command(), cwd=ROOT, env=_env(), stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+            proc = subprocess.Popen(
+                run.command(),
+                cwd=ROOT,
+                env={**_env(), **run.env},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
             active.append((run, proc, log, time.monotonic()))
         time.sleep(0.2)
         for item in list(active):

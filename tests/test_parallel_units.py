@@ -136,7 +136,7 @@ def _two_rank_checks(rank: int, world: int) -> None:
         for k, v in sd.items():
             assert isinstance(v, DTensor) and v.placements == (Shard(0),), k
             torch.testing.assert_close(v.full_tensor(), ref_sd[k], msg=k)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)  # as the trainer
         x, y = batch(4, seed=rank)
         cross_entropy_sum(model(x), y).backward()
         # Outside forward/backward the module holds its master shards again.
