@@ -42,13 +42,14 @@ AC = "activation_checkpoint__mode"
 SAC = "activation_checkpoint__selective_ac_option"
 NO_LOSS_PARALLEL = "parallelism__disable_loss_parallel"
 COMPILE = "compile__enable"
+SAVE_AT_5 = {"checkpoint__enable": "true", "checkpoint__interval": 5}
 
 # name: (ranks, overrides). Global batch 8 everywhere; AC modes ride along with DP layouts
 # (AC must not change numerics, and this also checks ZeRO's parameter swap under recompute).
 LAYOUTS = {
     "ddp2_ac_full": (2, {**z(0), LB: 4, AC: "full"}),
     "zero1_2_ac_op": (2, {**z(1), LB: 4, AC: "selective", SAC: "op"}),
-    "zero2_2_accum_ac_sel2": (2, {**z(2), LB: 2, GB: 8, AC: "selective", SAC: "2"}),
+    "zero2_2_accum_ac_sel2": (2, {**z(2), LB: 2, GB: 8, AC: "selective", SAC: "2", **SAVE_AT_5}),
     "zero1_4": (4, {**z(1), LB: 2}),
     "zero2_4": (4, {**z(2), LB: 2}),
     "zero3_4": (4, {**z(3), LB: 2}),
@@ -78,6 +79,12 @@ def runs(tmp_path_factory):
         Run(name, base / name, n, _args(**kw), after=AFTER.get(name), env=env)
         for name, (n, kw) in LAYOUTS.items()
     ]
+    # ZeRO-2 shards are FSDP's Shard(0) layout: its step-5 checkpoint resumes under ZeRO-3.
+    saver = "zero2_2_accum_ac_sel2"
+    saved = base / saver / "checkpoint"
+    resume = {**z(3), LB: 4, "checkpoint__enable": "true", "checkpoint__folder": saved}
+    resume["checkpoint__load_step"] = 5
+    todo.append(Run("zero2_to_zero3_resume", base / "resume", 2, _args(**resume), after=saver))
     # Compile runs are the slowest: start them first so they overlap the others.
     todo.sort(key=lambda r: "compile" not in r.name)
     return launch_many(todo, parallel=2)
@@ -94,6 +101,16 @@ def test_layout_matches_one_process(runs, name):
         assert len(series[name]) == 10
         table, worst = compare(series)
         assert worst[name] <= rtol, f"{key} differs by {worst[name]:.2e}:\n" + "\n".join(table)
+
+
+def test_zero2_checkpoint_resumes_under_fsdp(runs):
+    ref, run = runs["reference"].check(), runs["zero2_to_zero3_resume"].check()
+    assert "checkpoint: loaded" in run.output
+    series = {"1 process": ref.losses(), "resumed": run.losses()}
+    assert sorted(series["resumed"]) == list(range(6, 11))
+    series["1 process"] = {k: v for k, v in series["1 process"].items() if k > 5}
+    table, worst = compare(series)
+    assert worst["resumed"] <= RTOL, "\n".join(table)
 
 
 def test_compile_time_logged_separately(runs):
