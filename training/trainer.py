@@ -74,13 +74,8 @@ def _maybe_inject_failure(cfg: JobConfig, step: int, rank: int, world_size: int)
 def _save_on_stop(checkpointer, step: int) -> None:
     """A checkpoint at the step where a stop request (SIGTERM, SLURM preemption) was agreed,
     unless this step's regular save already wrote one."""
-    if checkpointer is None or checkpointer.due(step):
-        return
-    save = getattr(checkpointer, "save", None)
-    if save is not None:
-        save(step)
-    else:
-        checkpointer.maybe_save(step, last_step=True)
+    if checkpointer is not None and not checkpointer.due(step):
+        checkpointer.save(step)
 
 
 @dataclass
