@@ -152,17 +152,22 @@ class Checkpoint:
     folder: str = opt("checkpoint", "Checkpoint folder, relative to job.dump_folder")
     interval: int = opt(500, "Save every this many steps (and at the last step)", ge=1)
     keep_latest_k: int = opt(
-        0, "Keep only the newest k checkpoints (0 = keep all); older ones are deleted only "
-        "after a newer one is complete", ge=0
+        0,
+        "Keep only the newest k checkpoints (0 = keep all); older ones are deleted only "
+        "after a newer one is complete",
+        ge=0,
     )
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = opt(
-        "disabled", "disabled: save blocks training; async: stage a CPU copy, write in the "
+        "disabled",
+        "disabled: save blocks training; async: stage a CPU copy, write in the "
         "background; async_with_pinned_mem: async with pinned-memory staging (CUDA only, "
-        "else async)"
+        "else async)",
     )
     load_step: int = opt(-1, "Resume from this step's checkpoint (-1 = the latest)", ge=-1)
-    model_only: bool = opt(False, "At the last step also export the weights only, in "
-                           "export_dtype, to <folder>/export-step-N")
+    model_only: bool = opt(
+        False,
+        "At the last step also export the weights only, in export_dtype, to <folder>/export-step-N",
+    )
     export_dtype: Literal["float32", "bfloat16", "float16"] = opt(
         "float32", "Dtype of the model_only export"
     )
@@ -170,13 +175,15 @@ class Checkpoint:
         Literal["model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng"]
     ] = opt([], "Components not restored on resume, e.g. ['dataloader', 'lr_scheduler']")
     create_seed_checkpoint: bool = opt(
-        False, "Initialise the full model once (one process, CPU), save it as the step-0 "
-        "model-only checkpoint in the folder, and exit"
+        False,
+        "Initialise the full model once (one process, CPU), save it as the step-0 "
+        "model-only checkpoint in the folder, and exit",
     )
     initial_load_path: str = opt(
-        "", "Checkpoint (or folder of step-N checkpoints) to start from when the run's own "
+        "",
+        "Checkpoint (or folder of step-N checkpoints) to start from when the run's own "
         "folder has none, e.g. a model converted by scripts/convert_from_hf.py (needs "
-        "checkpoint.enable)"
+        "checkpoint.enable)",
     )
     initial_load_model_only: bool = opt(
         True, "Load only the weights from initial_load_path (not optimizer, data, step)"
