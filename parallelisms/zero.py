@@ -73,7 +73,7 @@ class _Param:
     buffer: torch.Tensor | None = None  # stages 1-2: padded flat storage of `compute`
     rows_per_rank: int = 0  # stages 1-2: padded rows of dim 0 each rank owns
     hook: object | None = None
-    pending: tuple | None = None  # (work, reduced tensor) of an in-flight reduction
+    pending: tuple | None = None  # in-flight reduction: (work, result, its input, result is a copy)
 
     @property
     def aliased(self) -> bool:
@@ -117,14 +117,15 @@ class ZeroState:
     # --- building ---------------------------------------------------------------------------
 
     def materialize(self) -> None:
-        """(Re)builds compute parameters, shard views and hooks from the registered masters;
-        runs at wrap time and after every `_apply` (e.g. `to_empty` off the meta device)."""
+        """(Re)builds compute parameters and shard views from the registered masters; runs at
+        wrap time and after every `_apply` (e.g. `to_empty` off the meta device), which makes
+        new master objects: build the optimizer after moving the model, never before."""
+        self.hooks_installed = False
         for p in self.params:
             master = p.module._parameters[p.name]
             if p.hook is not None:
                 p.hook.remove()
                 p.hook = None
-            self.hooks_installed = False
             if self.stage == 0:
                 p.master = master
                 p.compute = master
