@@ -33,6 +33,7 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -223,9 +224,7 @@ def _command(row: Row, ns, extra: list[str], folder: Path) -> tuple[list[str], d
 
 def run_once(row: Row, ns, extra: list[str], repeat: int) -> dict:
     folder = Path(ns.output) / "runs" / f"{row.name}.{repeat}"
-    if folder.exists():
-        for p in sorted(folder.rglob("*"), reverse=True):
-            p.unlink() if p.is_file() or p.is_symlink() else p.rmdir()
+    shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     cmd, env = _command(row, ns, extra, folder)
     t0 = time.perf_counter()
