@@ -13,7 +13,7 @@ TINY += ["--model.n_kv_heads", "2", "--training.seq_len", "32", "--training.loca
 
 def test_bench_smoke(tmp_path):
     cmd = [sys.executable, "scripts/bench.py", "--rows", "bare,single_eager,zero3_2"]
-    cmd += ["--steps", "3", "--warmup", "1", "--repeats", "1", "--estimate"]
+    cmd += ["--steps", "2", "--warmup", "1", "--repeats", "1", "--estimate"]
     cmd += ["--peak-sizes", "256"]
     cmd += ["--output", str(tmp_path), *TINY]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
