@@ -18,7 +18,7 @@ import torch
 
 from checkpoint import CheckpointError
 from config import ConfigError, JobConfig, config_to_toml, help_text, parse_args
-from models import build_model_args, get_model_spec, shape_overrides
+from models import get_model_spec, model_args_for
 from parallelisms.parallel_dims import ParallelDims, ParallelismError
 from parallelisms.pipeline import validate_pipeline_config
 from parallelisms.tensor_parallel import check_tp
@@ -61,14 +61,7 @@ def check_config(cfg: JobConfig, world_size: int) -> ParallelDims:
             f"Available: {', '.join(spec.flavors)}."
         )
     p = cfg.parallelism
-    dims = ParallelDims.from_config(
-        world_size=world_size,
-        dp_replicate=p.data_parallel_replicate_degree,
-        dp_shard=p.data_parallel_shard_degree,
-        tp=p.tensor_parallel_degree,
-        pp=p.pipeline_parallel_degree,
-        zero_stage=p.zero_stage,
-    )
+    dims = ParallelDims.from_parallelism(p, world_size)
     t = cfg.training
     per_micro = t.local_batch_size * dims.dp
     if t.global_batch_size != -1 and t.global_batch_size % per_micro:
@@ -83,9 +76,7 @@ def check_config(cfg: JobConfig, world_size: int) -> ParallelDims:
             f"data_parallel_shard_degree > 1 (got zero_stage {dims.zero_stage}, "
             f"data_parallel_shard_degree {dims.dp_shard})."
         )
-    args = build_model_args(
-        cfg.model.name, cfg.model.flavor, t.seq_len, None, shape_overrides(cfg.model)
-    )
+    args = model_args_for(cfg.model, t.seq_len, None)
     check_tp(args.n_heads, args.kv_heads, t.seq_len, dims.tp)
     validate_pipeline_config(
         p,
@@ -107,13 +98,7 @@ def dry_run(cfg: JobConfig) -> None:
         vocab = build_tokenizer(cfg.model.tokenizer_path).vocab_size
     spec = get_model_spec(cfg.model.name)
     try:
-        args = build_model_args(
-            cfg.model.name,
-            cfg.model.flavor,
-            cfg.training.seq_len,
-            vocab,
-            shape_overrides(cfg.model),
-        )
+        args = model_args_for(cfg.model, cfg.training.seq_len, vocab)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     with torch.device("meta"):

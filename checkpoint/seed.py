@@ -19,18 +19,12 @@ logger = logging.getLogger("meshtrain")
 
 def build_full_model(cfg, vocab_size: int | None):
     """The plain model, materialised on CPU and initialised as in every training layout."""
-    from models import build_model_args, get_model_spec, shape_overrides
+    from models import get_model_spec, model_args_for
     from parallelisms.init_weights import init_weights
 
     spec = get_model_spec(cfg.model.name)
     try:
-        args = build_model_args(
-            cfg.model.name,
-            cfg.model.flavor,
-            cfg.training.seq_len,
-            vocab_size,
-            shape_overrides(cfg.model),
-        )
+        args = model_args_for(cfg.model, cfg.training.seq_len, vocab_size)
     except ValueError as e:
         raise CheckpointError(str(e)) from None
     with torch.device("meta"):

@@ -77,3 +77,10 @@ def build_model_args(
     if vocab_size is not None:
         args = dataclasses.replace(args, vocab_size=vocab_size)
     return args
+
+
+def model_args_for(model_cfg, seq_len: int, vocab_size: int | None = None):
+    """`build_model_args` for a config's `[model]` section (name, flavor, shape overrides)."""
+    return build_model_args(
+        model_cfg.name, model_cfg.flavor, seq_len, vocab_size, shape_overrides(model_cfg)
+    )

@@ -283,14 +283,7 @@ def simulate(
     cfg.training.mixed_precision_param = pdt
     cfg._estimate_scores_stored = scores_stored
     p = cfg.parallelism
-    dims = ParallelDims.from_config(
-        world_size=world_size,
-        dp_replicate=p.data_parallel_replicate_degree,
-        dp_shard=p.data_parallel_shard_degree,
-        tp=p.tensor_parallel_degree,
-        pp=p.pipeline_parallel_degree,
-        zero_stage=p.zero_stage,
-    )
+    dims = ParallelDims.from_parallelism(p, world_size)
     per_stage = world_size // dims.pp
     if ranks is None:
         stages = range(dims.pp) if all_stages else sorted({0, min(1, dims.pp - 1), dims.pp - 1})

@@ -76,6 +76,19 @@ class ParallelDims:
             )
         return cls(dp_replicate, dp_shard, tp, pp, world_size, zero_stage)
 
+    @classmethod
+    def from_parallelism(cls, parallelism, world_size: int) -> ParallelDims:
+        """`from_config` for a config's `[parallelism]` section."""
+        p = parallelism
+        return cls.from_config(
+            world_size=world_size,
+            dp_replicate=p.data_parallel_replicate_degree,
+            dp_shard=p.data_parallel_shard_degree,
+            tp=p.tensor_parallel_degree,
+            pp=p.pipeline_parallel_degree,
+            zero_stage=p.zero_stage,
+        )
+
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard

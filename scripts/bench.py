@@ -136,13 +136,11 @@ def estimated_mib(row: Row, ns, extra: list[str]) -> float | None:
     import torch
 
     from config import parse_args
-    from models import build_model_args, get_model_spec, shape_overrides
+    from models import get_model_spec, model_args_for
     from parallelisms.estimate import simulate
 
     cfg = parse_args(["--config", ns.config, *extra, *row.args])
-    args = build_model_args(
-        cfg.model.name, cfg.model.flavor, cfg.training.seq_len, 4096, shape_overrides(cfg.model)
-    )
+    args = model_args_for(cfg.model, cfg.training.seq_len, 4096)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     plan = simulate(get_model_spec(cfg.model.name), args, cfg, row.nproc, device_type=device)
     return plan.ranks[0].states / 2**20
@@ -192,12 +190,10 @@ def flops_per_token(overrides: list[str]) -> tuple[float, int]:
     from config import parse_args
     from metrics import count_params
     from metrics import flops_per_token as fpt
-    from models import build_model_args, get_model_spec, shape_overrides
+    from models import get_model_spec, model_args_for
 
     cfg = parse_args(overrides)
-    args = build_model_args(
-        cfg.model.name, cfg.model.flavor, cfg.training.seq_len, 4096, shape_overrides(cfg.model)
-    )
+    args = model_args_for(cfg.model, cfg.training.seq_len, 4096)
     with torch.device("meta"):
         model = get_model_spec(cfg.model.name).model_cls(args)
     n = count_params(model, exclude_embedding=True)
@@ -318,7 +314,7 @@ def bare_worker(argv: list[str]) -> int:
     import torch.nn.functional as F
 
     from config import parse_args
-    from models import build_model_args, get_model_spec, shape_overrides
+    from models import get_model_spec, model_args_for
     from parallelisms.init_weights import init_weights
 
     cfg = parse_args(argv)
@@ -326,9 +322,7 @@ def bare_worker(argv: list[str]) -> int:
     folder = Path(cfg.job.dump_folder)
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.debug.seed)
-    args = build_model_args(
-        cfg.model.name, cfg.model.flavor, t.seq_len, 4096, shape_overrides(cfg.model)
-    )
+    args = model_args_for(cfg.model, t.seq_len, 4096)
     with torch.device("meta"):
         model = get_model_spec(cfg.model.name).model_cls(args)
     model.to_empty(device="cpu")

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from config import ConfigError, JobConfig, parse_args  # noqa: E402
 from metrics.flops import flops_per_token  # noqa: E402
-from models import build_model_args, get_model_spec, shape_overrides  # noqa: E402
+from models import get_model_spec, model_args_for  # noqa: E402
 from models.llama3 import ModelArgs  # noqa: E402
 from parallelisms import estimate as est  # noqa: E402
 from parallelisms.parallel_dims import ParallelismError  # noqa: E402
@@ -33,12 +33,6 @@ GIB = est.GIB
 LLAMA_13B = ModelArgs(
     dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, vocab_size=32000, multiple_of=256
 )
-
-
-def model_args_for(cfg: JobConfig):
-    return build_model_args(
-        cfg.model.name, cfg.model.flavor, cfg.training.seq_len, None, shape_overrides(cfg.model)
-    )
 
 
 def count(args) -> tuple[int, int]:
@@ -66,7 +60,7 @@ def report(
     t0 = time.perf_counter()
     plan = est.simulate(
         spec,
-        model_args_for(cfg),
+        model_args_for(cfg.model, cfg.training.seq_len),
         cfg,
         world_size,
         device_type=device_type,
@@ -123,7 +117,7 @@ def exercise_1() -> str:
 def advise_report(
     cfg: JobConfig, cluster: est.Cluster, global_batch: int, verify: bool = True
 ) -> str:
-    args = model_args_for(cfg)
+    args = model_args_for(cfg.model, cfg.training.seq_len)
     n, n_no_emb = count(args)
     t = cfg.training
     fpt = flops_per_token(n_no_emb, args.n_layers, args.n_heads, args.head_dim, t.seq_len)
