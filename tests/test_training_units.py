@@ -110,3 +110,13 @@ def test_clip_grad_norm_returns_total_norm_and_clips():
     assert norm.item() == pytest.approx(math.sqrt(4 * 9 + 3 * 16))
     total = torch.cat([p.grad, q.grad]).norm()
     assert total.item() == pytest.approx(1.0, rel=1e-5)
+
+
+def test_forward_context_autocasts_only_when_asked():
+    from training.trainer import forward_context
+
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    with forward_context(False, torch.bfloat16, "cpu")():
+        assert (a @ b).dtype == torch.bfloat16
+    with forward_context(False, None, "cpu")():
+        assert (a @ b).dtype == torch.float32

@@ -20,7 +20,7 @@ from data.sample_corpus import default_cache_dir, ensure_sample_tokenizer
 from data.tokenizer import build_tokenizer
 from metrics import MetricsLogger, count_params, device_peak_flops, flops_per_token, throughput
 from metrics.memory import peak_memory_gib, reset_peak_memory
-from models import build_model_args, get_model_spec, shape_overrides
+from models import get_model_spec, model_args_for
 from parallelisms.compile import maybe_compile_loss
 from parallelisms.fsdp import mixed_precision_dtypes
 from parallelisms.init_weights import init_weights
@@ -124,6 +124,21 @@ def build_model_parts(cfg, parallel_dims, model_args, device, loss_fn):
     return model_parts, schedule, first, last
 
 
+def forward_context(tp_loss_parallel: bool, autocast_dtype: torch.dtype | None, device_type: str):
+    """The context forward and loss run in: `loss_parallel()` for vocabulary-sharded logits
+    under TP (the loss reduces across TP ranks itself), autocast when no FSDP/ZeRO casts."""
+
+    def context() -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        if tp_loss_parallel:
+            stack.enter_context(loss_parallel())
+        if autocast_dtype is not None:
+            stack.enter_context(torch.autocast(device_type, dtype=autocast_dtype))
+        return stack
+
+    return context
+
+
 def run_training(
     cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, local_rank: int, stop
 ) -> TrainState:
@@ -136,13 +151,7 @@ def run_training(
     dp_rank, dp_degree = parallel_dims.coordinate("dp")
 
     tokenizer = load_tokenizer(cfg)
-    model_args = build_model_args(
-        cfg.model.name,
-        cfg.model.flavor,
-        t.seq_len,
-        tokenizer.vocab_size,
-        shape_overrides(cfg.model),
-    )
+    model_args = model_args_for(cfg.model, t.seq_len, tokenizer.vocab_size)
     global_batch = (
         t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dp_degree
     )
@@ -168,9 +177,12 @@ def run_training(
     fpt = flops_per_token(
         n_no_emb, model_args.n_layers, model_args.n_heads, model_args.head_dim, t.seq_len
     )
-    compute_dtype = torch.float32
-    if parallel_dims.dp_enabled:  # mixed precision is applied by FSDP
-        compute_dtype = mixed_precision_dtypes(t, device.type)[0]
+    # FSDP/ZeRO cast the weights to the compute dtype; without data parallelism (one GPU,
+    # TP- or PP-only layouts) autocast gives the same bf16 compute over fp32 weights.
+    compute_dtype = mixed_precision_dtypes(t, device.type)[0]
+    autocast_dtype = (
+        None if parallel_dims.dp_enabled or compute_dtype == torch.float32 else (compute_dtype)
+    )
     peak, peak_src = device_peak_flops(device, compute_dtype, default_cache_dir())
     logger.info(
         "model %s %s: %s parameters, %.2f GFLOP/token; global batch %d sequences "
@@ -241,10 +253,11 @@ def run_training(
         pp_schedule=schedule,
         pp_first_stage=first,
         pp_last_stage=last,
-        # Vocabulary-sharded logits under TP: the loss reduces across TP ranks itself.
-        loss_context=loss_parallel
-        if parallel_dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
-        else contextlib.nullcontext,
+        loss_context=forward_context(
+            parallel_dims.tp_enabled and not cfg.parallelism.disable_loss_parallel,
+            autocast_dtype,
+            device.type,
+        ),
     )
     params = [p for part in model_parts for p in part.parameters()]
     pp_group = parallel_dims.dim("pp").get_group() if parallel_dims.pp_enabled else None
