@@ -15,11 +15,12 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 NGPU=${NGPU:-$(nvidia-smi -L | wc -l)}
 LAYERS=${LAYERS:-8}        # 8B has 32; lower it if the first step runs out of memory
-# NGPU must be >= 2: a 1-rank run has no data parallelism, hence no FSDP mixed precision (fp32)
+# One GPU: a single process (bf16 by autocast); several: FSDP2 with bf16 mixed precision.
+ROW=$([ "$NGPU" -gt 1 ] && echo "zero3_${NGPU}" || echo single_eager)
 STEPS=${STEPS:-12}
 COMMON=(--config llama3_8b --model.n_layers "$LAYERS" --training.seq_len 8192
         --training.local_batch_size 1 --activation_checkpoint.mode selective
-        --rows "zero3_${NGPU}" --baseline "zero3_${NGPU}" --steps "$STEPS" --warmup 4
+        --rows "$ROW" --baseline "$ROW" --steps "$STEPS" --warmup 4
         --repeats 1 --estimate)
 "$PY" scripts/bench.py "${COMMON[@]}" --output benchmarks/gpu_8b_eager \
     --title "8B-shaped, ${LAYERS} layers, ${NGPU} GPUs, eager"
