@@ -14,14 +14,12 @@ from metrics.peak_flops import (
     match_gpu_name,
     measure_matmul_flops,
 )
-from metrics.throughput import StepTimer, Window, throughput
+from metrics.throughput import throughput
 
 __all__ = [
     "GPU_PEAKS",
     "GpuPeaks",
     "MetricsLogger",
-    "StepTimer",
-    "Window",
     "count_params",
     "current_memory_gib",
     "device_peak_flops",

@@ -16,7 +16,6 @@ from torch import nn
 
 from metrics import (
     MetricsLogger,
-    StepTimer,
     count_params,
     current_memory_gib,
     device_peak_flops,
@@ -113,21 +112,6 @@ def test_throughput_arithmetic() -> None:
     assert out["mfu"] == pytest.approx(50.0)
     assert throughput(10, 0.0, 1e9, 1e12) == {"tokens_per_sec": 0.0, "tflops": 0.0, "mfu": 0.0}
     assert throughput(10, 1.0, 1e9, 0.0)["mfu"] == 0.0
-
-
-def test_step_timer_windows() -> None:
-    now = [100.0]
-    timer = StepTimer(clock=lambda: now[0])
-    timer.add_step(tokens=512, data_time_s=0.1)
-    timer.add_step(tokens=512, data_time_s=0.3)
-    now[0] = 104.0
-    window = timer.pop()
-    assert (window.steps, window.tokens, window.seconds) == (2, 1024, 4.0)
-    assert window.step_time_s == pytest.approx(2.0)
-    assert window.data_time_s == pytest.approx(0.2)
-    now[0] = 105.0
-    empty = timer.pop()
-    assert (empty.steps, empty.tokens, empty.seconds, empty.step_time_s) == (0, 0, 1.0, 0.0)
 
 
 def test_measure_matmul_flops_positive_and_keeps_rng_state() -> None:
