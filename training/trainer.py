@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -84,7 +85,6 @@ class TrainState:
 
     step: int = 0
     tokens_seen: int = 0
-    log_history: list[dict] = field(default_factory=list)
 
     def state_dict(self) -> dict:
         return {"step": self.step, "tokens_seen": self.tokens_seen}
@@ -166,23 +166,17 @@ def run_training(
     model_parts, schedule, first, last = build_model_parts(
         cfg, parallel_dims, model_args, device, step_loss
     )
-    n_params = sum(count_params(p) for p in model_parts)
-    if parallel_dims.pp_enabled:  # each stage holds a part: count the whole model on meta
-        with torch.device("meta"):
-            n_params = count_params(get_model_spec(cfg.model.name).model_cls(model_args))
-    with torch.device("meta"):
-        n_no_emb = count_params(
-            get_model_spec(cfg.model.name).model_cls(model_args), exclude_embedding=True
-        )
+    with torch.device("meta"):  # the whole model, also when this rank holds one PP stage
+        whole = get_model_spec(cfg.model.name).model_cls(model_args)
+    n_params, n_no_emb = count_params(whole), count_params(whole, exclude_embedding=True)
     fpt = flops_per_token(
         n_no_emb, model_args.n_layers, model_args.n_heads, model_args.head_dim, t.seq_len
     )
     # FSDP/ZeRO cast the weights to the compute dtype; without data parallelism (one GPU,
     # TP- or PP-only layouts) autocast gives the same bf16 compute over fp32 weights.
     compute_dtype = mixed_precision_dtypes(t, device.type)[0]
-    autocast_dtype = (
-        None if parallel_dims.dp_enabled or compute_dtype == torch.float32 else (compute_dtype)
-    )
+    autocast = not parallel_dims.dp_enabled and compute_dtype != torch.float32
+    autocast_dtype = compute_dtype if autocast else None
     peak, peak_src = device_peak_flops(device, compute_dtype, default_cache_dir())
     logger.info(
         "model %s %s: %s parameters, %.2f GFLOP/token; global batch %d sequences "
@@ -199,32 +193,24 @@ def run_training(
         peak_src,
     )
 
-    train_loader = build_dataloader(
-        dataset=t.dataset,
-        dataset_path=t.dataset_path,
+    loader = functools.partial(
+        build_dataloader,
         tokenizer=tokenizer,
         seq_len=t.seq_len,
         local_batch_size=t.local_batch_size,
         dp_rank=dp_rank,
         dp_degree=dp_degree,
-        split="train",
         text_field=t.dataset_text_field,
         cache_dir=default_cache_dir(),
     )
+    train_loader = loader(dataset=t.dataset, dataset_path=t.dataset_path, split="train")
     val_loader = None
     if cfg.validation.enable:
         v = cfg.validation
-        val_loader = build_dataloader(
+        val_loader = loader(
             dataset=v.dataset or t.dataset,
             dataset_path=v.dataset_path or t.dataset_path,
-            tokenizer=tokenizer,
-            seq_len=t.seq_len,
-            local_batch_size=t.local_batch_size,
-            dp_rank=dp_rank,
-            dp_degree=dp_degree,
             split="validation",
-            text_field=t.dataset_text_field,
-            cache_dir=default_cache_dir(),
             infinite=False,
         )
 
@@ -262,11 +248,10 @@ def run_training(
     params = [p for part in model_parts for p in part.parameters()]
     pp_group = parallel_dims.dim("pp").get_group() if parallel_dims.pp_enabled else None
     loss_replicas = parallel_dims.world_size // parallel_dims.pp  # ranks per loss value x DP
-    is_logger = rank == 0
     metrics = MetricsLogger(
         cfg.job.dump_folder,
         rank,
-        enabled=is_logger,
+        enabled=rank == 0,
         enable_tensorboard=cfg.metrics.enable_tensorboard,
         tb_folder=cfg.metrics.save_tb_folder,
     )
@@ -323,17 +308,14 @@ def run_training(
             bad = ~torch.isfinite(grad_norm) | (~torch.isfinite(loss) if last else False)
             first_bad = torch.where(bad & (first_bad < 0), state.step, first_bad)
             state.tokens_seen += global_batch * t.seq_len
-            if device.type == "cuda" and (state.step % cfg.metrics.log_freq == 0):
+            log_now = state.step % cfg.metrics.log_freq == 0 or state.step in (first_step, t.steps)
+            if log_now and device.type == "cuda":  # queued kernels belong to this window
                 torch.cuda.synchronize(device)
             window["steps"] += 1
             window["time"] += time.perf_counter() - t0
             window["data"] += t_data
 
-            log_now = state.step % cfg.metrics.log_freq == 0 or state.step in (1, t.steps)
-            log_now = log_now or state.step == first_step
             if log_now:
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
                 global_loss = global_mean(loss, loss_replicas)
                 rates = throughput(
                     int(tokens_per_device_step * window["steps"]), window["time"], fpt, peak
@@ -353,11 +335,7 @@ def run_training(
                     record["compile_time_s"] = record["step_time_s"]  # not a steady-state step
                 metrics.log(state.step, record)
                 window = {"steps": 0, "time": 0.0, "data": 0.0}
-                bad_step = int(first_bad.item())
-                if dist.is_initialized():
-                    flag = torch.tensor([bad_step], device=device)
-                    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-                    bad_step = int(flag.item())
+                bad_step = _first_bad_step(first_bad)
                 if bad_step >= 0:
                     raise NonFiniteError(
                         f"non-finite loss or gradient norm at step {bad_step} (loss "
@@ -372,13 +350,14 @@ def run_training(
                     kind="validation",
                 )
             if checkpointer is not None:
-                if checkpointer.due(state.step) and _first_bad_step(first_bad, device) >= 0:
+                bad_step = _first_bad_step(first_bad) if checkpointer.due(state.step) else -1
+                if bad_step >= 0:
                     raise NonFiniteError(
-                        f"non-finite loss or gradient norm at step "
-                        f"{_first_bad_step(first_bad, device)}; not saving a checkpoint."
+                        f"non-finite loss or gradient norm at step {bad_step}; "
+                        "not saving a checkpoint."
                     )
                 checkpointer.maybe_save(state.step, last_step=state.step == t.steps)
-            if (log_now or not dist.is_initialized()) and stop.agreed(device):
+            if log_now and stop.agreed(device):
                 logger.info("stopping at step %d on request", state.step)
                 _save_on_stop(checkpointer, state.step)
                 break
@@ -403,8 +382,9 @@ def run_training(
     return state
 
 
-def _first_bad_step(first_bad: torch.Tensor, device: torch.device) -> int:
-    """The earliest non-finite step on any rank (-1 if none); a collective on all ranks."""
+def _first_bad_step(first_bad: torch.Tensor) -> int:
+    """The first non-finite step (-1 if none), agreed by all ranks; a collective on all ranks.
+    Every rank sees the same global loss and gradient norm, so their first steps agree."""
     value = first_bad.clone().reshape(1)
     if dist.is_initialized():
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
