@@ -54,12 +54,10 @@ def setup_logging(dump_folder: str, rank: int) -> None:
 
 def check_config(cfg: JobConfig, world_size: int) -> ParallelDims:
     """Every check that needs only the config and the world size, before any real work."""
-    spec = get_model_spec(cfg.model.name)
-    if cfg.model.flavor not in spec.flavors:
-        raise ConfigError(
-            f"model.flavor = '{cfg.model.flavor}' is not a flavor of '{cfg.model.name}'. "
-            f"Available: {', '.join(spec.flavors)}."
-        )
+    try:  # an unknown model name or flavor
+        args = model_args_for(cfg.model, cfg.training.seq_len, None)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     p = cfg.parallelism
     dims = ParallelDims.from_parallelism(p, world_size)
     t = cfg.training
@@ -76,7 +74,6 @@ def check_config(cfg: JobConfig, world_size: int) -> ParallelDims:
             f"data_parallel_shard_degree > 1 (got zero_stage {dims.zero_stage}, "
             f"data_parallel_shard_degree {dims.dp_shard})."
         )
-    args = model_args_for(cfg.model, t.seq_len, None)
     check_tp(args.n_heads, args.kv_heads, t.seq_len, dims.tp)
     validate_pipeline_config(
         p,
