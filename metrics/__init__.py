@@ -5,7 +5,7 @@ This package imports no other meshtrain package; the trainer passes plain values
 
 from metrics.flops import count_params, flops_per_token
 from metrics.logger import MetricsLogger, format_record
-from metrics.memory import current_memory_gib, peak_memory_gib, reset_peak_memory
+from metrics.memory import peak_memory_gib, reset_peak_memory
 from metrics.peak_flops import (
     GPU_PEAKS,
     GpuPeaks,
@@ -21,7 +21,6 @@ __all__ = [
     "GpuPeaks",
     "MetricsLogger",
     "count_params",
-    "current_memory_gib",
     "device_peak_flops",
     "flops_per_token",
     "format_record",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import resource
 import sys
 
@@ -15,16 +14,6 @@ def _max_rss_bytes() -> int:
     """Process peak resident set size; ``ru_maxrss`` is KiB on Linux, bytes on macOS."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024
-
-
-def _current_rss_bytes() -> int:
-    """Current resident set size from /proc, falling back to the peak where unavailable."""
-    try:
-        with open("/proc/self/statm", encoding="ascii") as f:
-            resident_pages = int(f.read().split()[1])
-        return resident_pages * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return _max_rss_bytes()
 
 
 def _is_accelerator(device: torch.device) -> bool:
@@ -43,16 +32,6 @@ def peak_memory_gib(device: torch.device) -> float:
     if _is_accelerator(device):
         return torch.accelerator.max_memory_allocated(device) / GIB
     return _max_rss_bytes() / GIB
-
-
-def current_memory_gib(device: torch.device) -> float:
-    """Currently allocated memory: CUDA ``memory_allocated``, CPU current RSS."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.memory_allocated(device) / GIB
-    if _is_accelerator(device):
-        return torch.accelerator.memory_allocated(device) / GIB
-    return _current_rss_bytes() / GIB
 
 
 def reset_peak_memory(device: torch.device) -> None:
