@@ -239,6 +239,11 @@ def validate(cfg: JobConfig) -> None:
             f"training.global_batch_size = {t.global_batch_size} must be a multiple of "
             f"training.local_batch_size = {t.local_batch_size} (or -1)."
         )
+    if t.dataset != "sample" and not t.dataset_path:
+        raise ConfigError(
+            f"training.dataset = '{t.dataset}' needs training.dataset_path (a file, glob or "
+            "folder, or the Hugging Face dataset name); or use dataset = 'sample'."
+        )
     ac = cfg.activation_checkpoint
     if ac.mode == "selective" and ac.selective_ac_option != "op":
         if not ac.selective_ac_option.isdigit() or int(ac.selective_ac_option) < 1:

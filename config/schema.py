@@ -91,7 +91,7 @@ class LRScheduler:
 
 @dataclass
 class Training:
-    dataset: str = opt(
+    dataset: Literal["sample", "text", "jsonl", "parquet", "huggingface"] = opt(
         "sample", "Data source: sample (bundled corpus), text, jsonl, parquet, huggingface"
     )
     dataset_path: str = opt("", "File, glob or folder (text/jsonl/parquet) or HF dataset name")
@@ -228,7 +228,9 @@ class Profiling:
 @dataclass
 class Validation:
     enable: bool = opt(False, "Evaluate on the held-out split during training")
-    dataset: str = opt("", "Validation data source ('' = validation split of training.dataset)")
+    dataset: Literal["", "sample", "text", "jsonl", "parquet", "huggingface"] = opt(
+        "", "Validation data source ('' = validation split of training.dataset)"
+    )
     dataset_path: str = opt("", "Validation file/glob/folder or HF name ('' = as training)")
     freq: int = opt(100, "Validate every this many steps", ge=1)
     steps: int = opt(-1, "Validation batches per evaluation (-1 = the whole split)", ge=-1)

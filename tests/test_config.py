@@ -85,6 +85,8 @@ def test_int_is_accepted_for_float():
             "expected 'op' or a positive",
         ),
         (["--parallelism.context_parallel_degree", "2"], "context parallelism is reserved"),
+        (["--training.dataset", "c4"], "training.dataset = 'c4' is invalid: expected one of"),
+        (["--training.dataset", "jsonl"], "needs training.dataset_path"),
     ],
 )
 def test_errors_name_the_key_and_value(argv, expected):
