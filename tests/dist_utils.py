@@ -120,7 +120,9 @@ def _spawned(rank: int, fn, world: int, port: int, args: tuple) -> None:
     try:
         fn(rank, world, *args)
     finally:
-        dist.destroy_process_group()
+        from training.distributed import cleanup
+
+        cleanup()  # collects cycles first: see its docstring
 
 
 def spawn(fn, world: int, *args) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import random
@@ -94,5 +95,11 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 
 def cleanup() -> None:
+    """Destroys the process groups while the interpreter is fully alive. Modules with hooks
+    form reference cycles that keep groups (and gloo's finished work objects) alive until a
+    garbage collection; left to interpreter shutdown, a gloo worker thread that frees a tensor
+    there aborts the process ("terminate called without an active exception")."""
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()
