@@ -70,7 +70,7 @@ class Optimizer:
         "Parameters whose name contains one of these get no weight decay",
     )
     implementation: Literal["auto", "fused", "foreach", "for-loop"] = opt(
-        "auto", "AdamW kernel: auto = fused on CUDA, foreach on CPU"
+        "auto", "AdamW kernel: auto = fused where torch has the kernel (CUDA, CPU), else foreach"
     )
 
 

@@ -70,6 +70,29 @@ def test_no_weight_decay_on_norms_and_embeddings():
     assert len(decay["params"]) + len(keep["params"]) == len(list(m.parameters()))
 
 
+@pytest.mark.parametrize("impl", ["auto", "foreach", "for-loop"])
+def test_optimizer_kernels_agree_and_auto_is_fused_on_cpu(impl):
+    """`auto` takes torch's fused AdamW on CPU (the faster kernel, see benchmarks/); every
+    kernel choice takes the same steps."""
+    ref = _tiny_model()
+    model = _tiny_model()
+    model.load_state_dict(ref.state_dict())
+    opts = []
+    for m, choice in ((ref, "fused"), (model, impl)):
+        cfg = parse_args(["--optimizer.lr", "0.01", "--optimizer.implementation", choice])
+        opts.append(build_optimizer([m], cfg.optimizer, "cpu"))
+    assert opts[0].defaults["fused"] and not opts[0].defaults["foreach"]
+    assert opts[1].defaults["fused"] == (impl == "auto")
+    x = torch.randint(0, 64, (2, 17))
+    for _ in range(3):
+        for m, opt in zip((ref, model), opts):
+            cross_entropy_sum(m(x[:, :-1]), x[:, 1:]).backward()
+            opt.step()
+            opt.zero_grad()
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def _run_steps(batch_split, steps=3):
     """Trains a tiny model on 8 fixed sequences per step, split into micro-steps."""
     torch.manual_seed(0)

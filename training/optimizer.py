@@ -21,11 +21,20 @@ def param_groups(model_parts: list[nn.Module], weight_decay: float, no_decay: li
     ]
 
 
+def _fused_adam_devices() -> tuple[str, ...]:
+    """Device types with a fused Adam(W) kernel in this torch build."""
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    except ImportError:  # a private helper: fall back to the two every torch >= 2.4 has
+        return ("cuda", "cpu")
+    return tuple(_get_fused_kernels_supported_devices())
+
+
 def build_optimizer(model_parts: list[nn.Module], cfg, device_type: str) -> torch.optim.Optimizer:
     """One optimizer over all local model parts (several with virtual pipeline stages)."""
     impl = cfg.implementation
-    if impl == "auto":
-        impl = "fused" if device_type == "cuda" else "foreach"
+    if impl == "auto":  # one kernel per step: on CPU too it beats foreach (benchmarks/)
+        impl = "fused" if device_type in _fused_adam_devices() else "foreach"
     kwargs = {
         "lr": cfg.lr,
         "betas": (cfg.beta1, cfg.beta2),
