@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 
@@ -14,6 +15,17 @@ def _max_rss_bytes() -> int:
     """Process peak resident set size; ``ru_maxrss`` is KiB on Linux, bytes on macOS."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024
+
+
+def process_rss_gib() -> float | None:
+    """This process's resident set size now (Linux ``/proc``); None where that is missing.
+    Read before the model is built, it is the runtime's own share (interpreter, libraries,
+    process groups), which the peak RSS includes but no parallelism can shard."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / GIB
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _is_accelerator(device: torch.device) -> bool:

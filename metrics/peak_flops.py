@@ -25,6 +25,7 @@ _CPU_MAX_SIZE = 2048
 _CPU_MIN_SIZE = 256
 _CPU_GROW_BELOW_S = 0.05
 _CPU_BUDGET_S = 1.0
+_CPU_REFRESH_SIZE = 1024
 _GPU_MEASURE_SIZE = 8192
 
 
@@ -218,12 +219,23 @@ def _measured_peak(
     """Measured (optionally cached) peak for a device that has no datasheet entry."""
     key = f"{description}|{_dtype_name(dtype)}|torch={torch.__version__}"
     path = os.path.join(cache_dir, CACHE_FILE_NAME) if cache_dir else None
+    cached = 0.0
     if path is not None:
         entry = _read_cache(path).get(key)
         if isinstance(entry, dict) and isinstance(entry.get("flops"), (int, float)):
-            return float(entry["flops"]), f"cached measurement from {path} [{key}]"
+            cached = float(entry["flops"])
+            if device.type != "cpu":
+                return cached, f"cached measurement from {path} [{key}]"
 
-    if device.type == "cpu":
+    if device.type == "cpu" and cached > 0:
+        # Other load only ever slows a CPU measurement, so the cache keeps the best rate seen
+        # and each run re-measures briefly: one taken on a busy machine does not stick.
+        size = _CPU_REFRESH_SIZE
+        flops = measure_matmul_flops(device, dtype, size, iters=3, time_budget_s=0.5)
+        if flops <= cached:
+            now = f"{flops / 1e12:.3f} TFLOP/s now"
+            return cached, f"best cached measurement from {path} [{key}] ({now})"
+    elif device.type == "cpu":
         flops, size = _calibrate_cpu(dtype)
     else:
         size = _GPU_MEASURE_SIZE
@@ -251,7 +263,7 @@ def device_peak_flops(
     get a measured matmul rate and a warning (measured rates are below datasheet peaks,
     so MFU against them reads high). CPU: a short matmul calibration (< ~2 s), cached in
     ``<cache_dir>/peak_flops_cache.json`` keyed by CPU model, thread count, dtype and
-    torch version. Measuring allocates device memory; reset peak-memory stats afterwards.
+    torch version; later runs re-measure one 1024 matmul and keep the best rate seen. Measuring allocates device memory; reset peak-memory stats afterwards.
     """
     device = torch.device(device)
     if device.type == "cuda":

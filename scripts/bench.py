@@ -14,7 +14,9 @@ step time, achieved TFLOP/s of the whole machine (6N + 12·L·H·Dh·S FLOPs per
 attention at full cost, metrics/flops.py), MFU against a peak measured here in the same
 invocation (a dense fp32 matmul on all cores on CPU; the datasheet peak on GPUs), peak memory
 per rank (the largest rank's peak RSS on CPU, from the kernel's rusage of the process tree;
-CUDA max allocated on GPUs, from the trainer's log), parameter + gradient + optimizer bytes
+CUDA max allocated on GPUs, from the trainer's log), on CPU that peak less the RSS the rank
+had before its model was built (interpreter, libraries, process groups: what no layout can
+shard; "peak - runtime"), parameter + gradient + optimizer bytes
 held per rank (memory_report after step 1), and the ratio to the baseline row.
 
 Row `bare` is a plain PyTorch loop over the same model class: model, AdamW (foreach), fp32
@@ -243,8 +245,10 @@ def run_once(row: Row, ns, extra: list[str], repeat: int) -> dict:
         if m:
             held.append(sum(float(x) for x in m.groups()))
     memory = [r for r in records if r.get("kind") == "memory"]
-    if not held and memory:  # single rank: the memory record of step 1
-        held = [sum(v for k, v in memory[0].items() if k.startswith("held_") and "mib" in k)]
+    if not held and memory:  # no rank log: the memory record of step 1
+        held = [memory[0]["total_gib"] * 1024]
+    logged_mem = max(r.get("memory_gib", 0.0) for r in train)  # rank 0's peak
+    before_model = memory[0].get("rss_before_model_gib") if memory else None
     return {
         "step_s": statistics.median(r["step_time_s"] for r in steady),
         "tok_s_dev": statistics.median(r["tokens_per_sec"] for r in steady),
@@ -252,7 +256,9 @@ def run_once(row: Row, ns, extra: list[str], repeat: int) -> dict:
         "first_step_s": train[0]["step_time_s"],
         "loss": train[-1]["loss"],
         "rss_gib": usage.ru_maxrss * 1024 / 2**30,
-        "logged_mem_gib": max(r.get("memory_gib", 0.0) for r in train),
+        "logged_mem_gib": logged_mem,
+        # CPU: rank 0's peak RSS less its RSS before the model was built (the runtime's share)
+        "run_mem_gib": logged_mem - before_model if before_model is not None else None,
         "held_mib": max(held) if held else None,
         "wall_s": wall,
     }
@@ -279,6 +285,9 @@ def summarise(row: Row, runs: list[dict], fpt: float, peak: float) -> dict:
         "tflops": achieved / 1e12,
         "mfu_pct": 100 * achieved / peak if peak else 0.0,
         "peak_mem_gib": max(r["logged_mem_gib" if cuda else "rss_gib"] for r in runs),
+        "run_mem_gib": max(
+            (r["run_mem_gib"] for r in runs if r["run_mem_gib"] is not None), default=None
+        ),  # fmt: skip
         "held_mib": runs[0]["held_mib"],
         "loss": runs[-1]["loss"],
         "repeats": len(runs),
@@ -289,19 +298,20 @@ def table(results: list[dict], baseline: str | None) -> list[str]:
     base = next((r for r in results if r["row"] == baseline), None)
     head = (
         f"| row | ranks | tok/s/dev | spread | step s | TFLOP/s | MFU % | peak mem/rank GiB "
-        f"| held MiB/rank | est MiB | vs {baseline or '-'} | best tok/s/dev | best vs "
+        f"| peak - runtime GiB | held MiB/rank | est MiB | vs {baseline or '-'} | best tok/s/dev | best vs "
         f"{baseline or '-'} | first step s | final loss |"
     )
-    lines = [head, "|" + "---|" * 15]
+    lines = [head, "|" + "---|" * 16]
     for r in results:
         ratio = f"{r['tok_s_dev'] / base['tok_s_dev']:.3f}" if base else "-"
         best = f"{r['best_tok_s_dev'] / base['best_tok_s_dev']:.3f}" if base else "-"
         held = f"{r['held_mib']:.1f}" if r["held_mib"] is not None else "-"
         est = f"{r['est_mib']:.1f}" if r.get("est_mib") is not None else "-"
+        run_mem = f"{r['run_mem_gib']:.2f}" if r.get("run_mem_gib") is not None else "-"
         lines.append(
             f"| {r['row']} | {r['ranks']} | {r['tok_s_dev']:,.0f} | ±{r['spread_pct'] / 2:.1f}% "
             f"| {r['step_s']:.3f} | {r['tflops']:.3f} | {r['mfu_pct']:.1f} "
-            f"| {r['peak_mem_gib']:.2f} | {held} | {est} | {ratio} | {r['best_tok_s_dev']:,.0f} "
+            f"| {r['peak_mem_gib']:.2f} | {run_mem} | {held} | {est} | {ratio} | {r['best_tok_s_dev']:,.0f} "
             f"| {best} | {r['first_step_s']:.2f} "
             f"| {r['loss']:.4f} |"
         )

@@ -26,6 +26,10 @@ def test_bench_smoke(tmp_path):
         assert r["tok_s_dev"] > 0 and r["step_s"] > 0 and r["peak_mem_gib"] > 0
         assert r["mfu_pct"] > 0
     assert rows["zero3_2"]["ranks"] == 2 and rows["zero3_2"]["held_mib"] > 0
+    # meshtrain rows also split off the runtime's share of the peak RSS; the bare loop cannot
+    assert rows["bare"]["run_mem_gib"] is None
+    for name in ("single_eager", "zero3_2"):
+        assert 0 < rows[name]["run_mem_gib"] < rows[name]["peak_mem_gib"]
     # the estimator predicts exactly what FSDP2 holds (parameters + gradients + AdamW)
     assert abs(rows["zero3_2"]["held_mib"] - rows["zero3_2"]["est_mib"]) < 0.2
     md = (tmp_path / "bench.md").read_text()

@@ -134,8 +134,24 @@ def test_cpu_calibration_is_cached(tmp_path) -> None:
     assert torch.__version__ in key
 
     again, cached_source = device_peak_flops(torch.device("cpu"), torch.float32, cache_dir)
-    assert again == flops
-    assert "cached" in cached_source
+    assert again >= flops  # the best rate seen is kept
+
+
+def test_cpu_cache_keeps_the_best_rate_seen(tmp_path, monkeypatch) -> None:
+    """A calibration taken while the machine was busy must not stick: later runs re-measure
+    and a higher rate replaces it, a lower one does not."""
+    rates = iter([1e11, 5e10, 2e11, 1.5e11])
+    monkeypatch.setattr(peak_flops_module, "_calibrate_cpu", lambda dtype: (next(rates), 256))
+    monkeypatch.setattr(peak_flops_module, "measure_matmul_flops", lambda *a, **k: next(rates))
+    cpu, cache = torch.device("cpu"), str(tmp_path)
+    assert device_peak_flops(cpu, torch.float32, cache)[0] == 1e11  # first run calibrates
+    peak, source = device_peak_flops(cpu, torch.float32, cache)  # busy now: keep the cache
+    assert peak == 1e11 and "best cached" in source and "0.050 TFLOP/s now" in source
+    assert device_peak_flops(cpu, torch.float32, cache)[0] == 2e11  # quieter: raises it
+    assert device_peak_flops(cpu, torch.float32, cache)[0] == 2e11
+    with open(tmp_path / peak_flops_module.CACHE_FILE_NAME) as f:
+        (entry,) = json.load(f).values()
+    assert entry["flops"] == 2e11
 
 
 def test_cpu_cache_key_depends_on_cpu_model(tmp_path, monkeypatch) -> None:

@@ -20,7 +20,7 @@ from data.dataloader import build_dataloader
 from data.sample_corpus import default_cache_dir, ensure_sample_tokenizer
 from data.tokenizer import build_tokenizer
 from metrics import MetricsLogger, count_params, device_peak_flops, flops_per_token, throughput
-from metrics.memory import peak_memory_gib, reset_peak_memory
+from metrics.memory import peak_memory_gib, process_rss_gib, reset_peak_memory
 from models import get_model_spec, model_args_for
 from parallelisms.compile import maybe_compile_loss
 from parallelisms.fsdp import mixed_precision_dtypes
@@ -163,6 +163,7 @@ def run_training(
     def step_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return token_loss_sum(logits, labels) / tokens_per_rank_step
 
+    rss_before_model = process_rss_gib() if device.type == "cpu" else None
     model_parts, schedule, first, last = build_model_parts(
         cfg, parallel_dims, model_args, device, step_loss
     )
@@ -299,7 +300,10 @@ def run_training(
             if state.step == first_step:  # grads and optimizer state both exist only now
                 held = memory_report(model_parts, optimizer)
                 logger.info("memory after step %d: %s", state.step, held)
-                metrics.log(state.step, held.as_metrics(), kind="memory")
+                record = held.as_metrics()
+                if rss_before_model is not None:  # CPU: peak RSS minus this = the run's own
+                    record["rss_before_model_gib"] = rss_before_model
+                metrics.log(state.step, record, kind="memory")
             lr_scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             phases.mark("optimizer")
