@@ -6,21 +6,25 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 M50=(--model.dim 512 --model.n_layers 8 --model.n_heads 8 --model.n_kv_heads 8
      --training.seq_len 512 --training.local_batch_size 2)
-# model states dominate: 111M parameters (1.7 GiB of fp32 states under DDP), 64-token sequences
-BIG=(--model.dim 1024 --model.n_layers 8 --model.n_heads 8 --model.n_kv_heads 8
+# model states dominate: 109M parameters in 32 thin layers (1.6 GiB of fp32 states under
+# DDP; one layer's gathered weights and gradients are 3% of that), 64-token sequences
+BIG=(--model.dim 512 --model.n_layers 32 --model.n_heads 8 --model.n_kv_heads 8
      --training.seq_len 64 --training.local_batch_size 1)
-SINGLE=bare,single_eager,single_compiled,single_fused_adamw,single_compiled_fused
+SINGLE=bare,single_eager,single_foreach_adamw,single_compiled
 for part in "${@:-debug m50 dp memory layouts}"; do
   for p in $part; do
     case $p in
       debug) "$PY" scripts/bench.py --rows $SINGLE --repeats 2 --steps 10 --warmup 4 \
                --output benchmarks/cpu_debug_single --title "Single process, debug model" ;;
-      m50) "$PY" scripts/bench.py --rows $SINGLE --repeats 2 --steps 7 --warmup 3 "${M50[@]}" \
+      m50) "$PY" scripts/bench.py --rows $SINGLE --repeats 3 --steps 7 --warmup 3 "${M50[@]}" \
                --output benchmarks/cpu_m50_single --title "Single process, dim-512 model" ;;
       dp) "$PY" scripts/bench.py --rows ddp_2,zero1_2,zero2_2,zero3_2 --baseline ddp_2 \
                --estimate --repeats 2 --steps 7 --warmup 3 "${M50[@]}" \
                --output benchmarks/cpu_m50_dp2 --title "DDP vs ZeRO-1/2/3, 2 ranks, dim-512 model" ;;
-      memory) "$PY" scripts/bench.py --rows ddp_4,zero3_4 --baseline ddp_4 --estimate \
+      # glibc keeps freed heap pages it cannot trim (fragmentation); tensors of 128 KiB
+      # and more mmapped straight from the OS are returned on free, so the RSS tracks what
+      # each layout really holds (costs page faults, i.e. speed: a measuring setting only)
+      memory) MALLOC_MMAP_THRESHOLD_=131072 "$PY" scripts/bench.py --rows ddp_4,zero3_4 --baseline ddp_4 --estimate \
                --repeats 1 --steps 3 --warmup 1 "${BIG[@]}" \
                --output benchmarks/cpu_memory_4 --title "Memory per rank, DDP vs ZeRO-3, 4 ranks" ;;
       layouts) "$PY" scripts/bench.py --rows bare,single_eager,single_ac_full,single_ac_selective,ddp_2,zero3_2,zero3_offload_2,tp_2,pp_2_1F1B,pp_2_GPipe,pp_2_Interleaved1F1B,pp_2_LoopedBFS,pp_2_InterleavedZeroBubble \

@@ -68,14 +68,9 @@ def _rows() -> dict[str, Row]:
         Row("single_eager", note="train.py, 1 process"),
         Row("single_compiled", args=["--compile.enable", "true"], note="regional compile"),
         Row(
-            "single_fused_adamw",
-            args=["--optimizer.implementation", "fused"],
-            note="fused AdamW (CPU kernel)",
-        ),
-        Row(
-            "single_compiled_fused",
-            args=["--compile.enable", "true", "--optimizer.implementation", "fused"],
-            note="regional compile + fused AdamW",
+            "single_foreach_adamw",
+            args=["--optimizer.implementation", "foreach"],
+            note="foreach AdamW (the bare loop's kernel; auto takes fused)",
         ),
         Row("single_ac_full", args=["--activation_checkpoint.mode", "full"]),
         Row("single_ac_selective", args=["--activation_checkpoint.mode", "selective"]),
@@ -432,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
         "title": ns.title or "meshtrain benchmark",
         "date": started.isoformat(),
         "command": "python scripts/bench.py " + shlex.join(argv),
+        # allocator and threading variables change speed and RSS: record any that were set
+        "env": {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "GLIBC_"))},
         "machine": info,
         "peak_flops_before": peak,
         "peak_flops_after": peak_after,
@@ -478,7 +475,8 @@ def render(payload: dict, folder: Path) -> str:
         f"- machine: {info['cpu']}, {info['cores']} cores, {info['memory_gib']} GiB, "
         f"{info['gpu'] or 'no GPU'}; {info['platform']}",
         f"- torch {info['torch']}, Python {info['python']}",
-        f"- command: `{p['command']}`",
+        f"- command: `{p['command']}`"
+        + "".join(f" with {k}={v}" for k, v in sorted(p.get("env", {}).items())),
         f"- model: config {p['config']} {' '.join(p['overrides'])}: {p['params']:,} parameters, "
         f"{p['flops_per_token'] / 1e9:.3f} GFLOP/token (6N + 12·L·H·Dh·S, causal at full cost)",
         f"- peak: {peak / 1e12:.3f} TFLOP/s ({p['peak_source']}; best of "
