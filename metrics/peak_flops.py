@@ -263,7 +263,8 @@ def device_peak_flops(
     get a measured matmul rate and a warning (measured rates are below datasheet peaks,
     so MFU against them reads high). CPU: a short matmul calibration (< ~2 s), cached in
     ``<cache_dir>/peak_flops_cache.json`` keyed by CPU model, thread count, dtype and
-    torch version; later runs re-measure one 1024 matmul and keep the best rate seen. Measuring allocates device memory; reset peak-memory stats afterwards.
+    torch version; later runs re-measure one 1024 matmul and keep the best rate seen.
+    Measuring allocates device memory; reset peak-memory stats afterwards.
     """
     device = torch.device(device)
     if device.type == "cuda":
