@@ -1,28 +1,40 @@
 #!/usr/bin/env bash
-# NOT YET RUN: written on a CPU-only machine for a future session that is lent GPUs.
+# NOT YET RUN ON A GPU: no session has been lent one so far. Its arguments pass train.py's
+# config checks on CPU (`CHECK_ONLY=1`, run by tests/test_gpu_check.py).
 #
-# An 8B-shaped Llama 3 (dim 4096, 32 heads, 8 KV heads, the 8B FFN) with as many layers as
-# fit one GPU's share, bf16 parameters with fp32 gradient reduction (FSDP2 mixed precision,
-# the GPU default), selective activation checkpointing, seq 8192: tokens/s, MFU (datasheet
-# bf16 peak) and peak memory per GPU, eager and compiled, through scripts/bench.py.
+# A Llama 3 8B-shaped model (dim 4096, 32 heads, 8 KV heads, the 8B FFN, a 128,256-token
+# vocabulary) with as many layers as fit: bf16 compute (one GPU: autocast over fp32 params;
+# several: FSDP2 with bf16 params and fp32 gradient reduction), selective activation
+# checkpointing, seq 8192. Reports tokens/s, MFU (datasheet bf16 peak, measured matmul rate
+# beside it) and peak memory per GPU, eager and compiled, through scripts/bench.py.
 #
-#   NGPU=8 LAYERS=8 STEPS=12 scripts/gpu_check.sh
+#   scripts/gpu_check.sh                 # one H200: 20 layers (scripts/estimate.py: 108 GiB)
+#   NGPU=8 LAYERS=32 scripts/gpu_check.sh
 #
-# Two invocations (eager, then compiled) because bench.py applies overrides to every row;
-# results land in benchmarks/gpu_8b_eager/ and benchmarks/gpu_8b_compiled/.
+# Offline by design (GPU machines here reach no network): the bundled sample corpus, and a
+# synthetic tiktoken file with Llama 3's vocabulary size, so the embedding and output layers
+# have the 8B shape (token statistics do not matter for speed). Results land in
+# benchmarks/gpu_8b_eager/ and benchmarks/gpu_8b_compiled/ (two invocations: bench.py applies
+# overrides to every row). Uses the machine's own python3 with its CUDA torch (>= 2.11).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-.venv/bin/python}
-NGPU=${NGPU:-$(nvidia-smi -L | wc -l)}
-LAYERS=${LAYERS:-8}        # 8B has 32; lower it if the first step runs out of memory
-# One GPU: a single process (bf16 by autocast); several: FSDP2 with bf16 mixed precision.
-ROW=$([ "$NGPU" -gt 1 ] && echo "zero3_${NGPU}" || echo single_eager)
+PY=${PYTHON:-python3}
+NGPU=${NGPU:-$( (nvidia-smi -L 2>/dev/null || true) | wc -l)}
+LAYERS=${LAYERS:-20}
 STEPS=${STEPS:-12}
-COMMON=(--config llama3_8b --model.n_layers "$LAYERS" --training.seq_len 8192
-        --training.local_batch_size 1 --activation_checkpoint.mode selective
-        --rows "$ROW" --baseline "$ROW" --steps "$STEPS" --warmup 4
-        --repeats 1 --estimate)
-"$PY" scripts/bench.py "${COMMON[@]}" --output benchmarks/gpu_8b_eager \
+TOKENIZER=${TOKENIZER:-/tmp/meshtrain_llama3_shaped.tiktoken}
+"$PY" scripts/make_shaped_tokenizer.py "$TOKENIZER" 128000
+TRAIN=(--config llama3_8b --model.n_layers "$LAYERS" --model.tokenizer_path "$TOKENIZER"
+       --training.dataset sample --training.dataset_path "" --checkpoint.enable false
+       --training.seq_len 8192 --training.local_batch_size 1
+       --activation_checkpoint.mode selective)
+if [ -n "${CHECK_ONLY:-}" ]; then  # config checks and model size only, no GPU needed
+  exec "$PY" train.py "${TRAIN[@]}" --job.dry_run true
+fi
+[ "$NGPU" -ge 1 ] || { echo "gpu_check.sh: no GPU found (nvidia-smi -L); set NGPU" >&2; exit 2; }
+ROW=$([ "$NGPU" -gt 1 ] && echo "zero3_${NGPU}" || echo single_eager)
+BENCH=(--rows "$ROW" --baseline "$ROW" --steps "$STEPS" --warmup 4 --repeats 1 --estimate)
+"$PY" scripts/bench.py "${TRAIN[@]}" "${BENCH[@]}" --output benchmarks/gpu_8b_eager \
     --title "8B-shaped, ${LAYERS} layers, ${NGPU} GPUs, eager"
-"$PY" scripts/bench.py "${COMMON[@]}" --output benchmarks/gpu_8b_compiled \
+"$PY" scripts/bench.py "${TRAIN[@]}" "${BENCH[@]}" --output benchmarks/gpu_8b_compiled \
     --title "8B-shaped, ${LAYERS} layers, ${NGPU} GPUs, compiled" --compile.enable true

@@ -1,0 +1,44 @@
+"""scripts/gpu_check.sh runs only where a GPU is lent, so its arguments are checked here: the
+config passes train.py's checks at the 8B shape, and the synthetic Llama 3-sized tokenizer
+it builds trains on the bundled corpus."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_gpu_check_arguments_pass_the_config_checks(tmp_path):
+    tokenizer = tmp_path / "shaped.tiktoken"
+    env = {**os.environ, "CHECK_ONLY": "1", "PYTHON": sys.executable, "TOKENIZER": str(tokenizer)}
+    out = subprocess.run(
+        ["bash", "scripts/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    # 20 layers of the 8B shape with the 128,256-token vocabulary
+    assert "llama3 8B: 5,412,917,248 parameters" in out.stdout
+
+
+def test_shaped_tokenizer_has_llama3_vocabulary_and_trains(tmp_path):
+    from data.tokenizer import build_tokenizer
+
+    path = tmp_path / "shaped.tiktoken"
+    cmd = [sys.executable, "scripts/make_shaped_tokenizer.py", str(path), "128000"]
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
+    tok = build_tokenizer(str(path))
+    assert tok.vocab_size == 128_256
+    ids = tok.encode("The quick brown fox jumps over the lazy dog.", bos=True, eos=True)
+    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id and max(ids[1:-1]) > 255  # merges
+
+    dump = tmp_path / "run"
+    cmd = [sys.executable, "train.py", "--config", "tests/tiny_model.toml"]
+    cmd += ["--model.tokenizer_path", str(path), "--training.steps", "2"]
+    cmd += ["--training.local_batch_size", "2", "--job.dump_folder", str(dump)]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    records = [json.loads(x) for x in (dump / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if r.get("kind") == "train"]
+    assert len(losses) == 2 and 11.0 < losses[0] < 12.5  # ~ln(128,256) = 11.76 at init
