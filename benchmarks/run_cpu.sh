@@ -14,9 +14,9 @@ SINGLE=bare,single_eager,single_foreach_adamw,single_compiled
 for part in "${@:-debug m50 dp memory layouts}"; do
   for p in $part; do
     case $p in
-      debug) "$PY" scripts/bench.py --rows $SINGLE --repeats 4 --steps 10 --warmup 4 \
+      debug) "$PY" scripts/bench.py --rows $SINGLE --repeats 8 --steps 10 --warmup 4 \
                --output benchmarks/cpu_debug_single --title "Single process, debug model" ;;
-      m50) "$PY" scripts/bench.py --rows $SINGLE --repeats 5 --steps 10 --warmup 4 "${M50[@]}" \
+      m50) "$PY" scripts/bench.py --rows $SINGLE --repeats 6 --steps 10 --warmup 4 "${M50[@]}" \
                --output benchmarks/cpu_m50_single --title "Single process, dim-512 model" ;;
       dp) "$PY" scripts/bench.py --rows ddp_2,zero1_2,zero2_2,zero3_2 --baseline ddp_2 \
                --estimate --repeats 2 --steps 7 --warmup 3 "${M50[@]}" \
