@@ -126,6 +126,13 @@ def get_row(name: str) -> Row | None:
     return Row(name, int(m[2]), ["--parallelism.zero_stage", stage], note=DP_NOTES[m[1]])
 
 
+def vocab_size(cfg) -> int:
+    """The vocabulary train.py would build the model with (its tokenizer's)."""
+    from training.trainer import load_tokenizer
+
+    return load_tokenizer(cfg).vocab_size
+
+
 def estimated_mib(row: Row, ns, extra: list[str]) -> float | None:
     """Parameter + gradient + AdamW MiB per rank that parallelisms/estimate predicts."""
     if row.bare:
@@ -137,7 +144,7 @@ def estimated_mib(row: Row, ns, extra: list[str]) -> float | None:
     from parallelisms.estimate import simulate
 
     cfg = parse_args(["--config", ns.config, *extra, *row.args])
-    args = model_args_for(cfg.model, cfg.training.seq_len, 4096)
+    args = model_args_for(cfg.model, cfg.training.seq_len, vocab_size(cfg))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     plan = simulate(get_model_spec(cfg.model.name), args, cfg, row.nproc, device_type=device)
     return plan.ranks[0].states / 2**20
@@ -197,7 +204,7 @@ def flops_per_token(overrides: list[str]) -> tuple[float, int]:
     from models import get_model_spec, model_args_for
 
     cfg = parse_args(overrides)
-    args = model_args_for(cfg.model, cfg.training.seq_len, 4096)
+    args = model_args_for(cfg.model, cfg.training.seq_len, vocab_size(cfg))
     with torch.device("meta"):
         model = get_model_spec(cfg.model.name).model_cls(args)
     n = count_params(model, exclude_embedding=True)
@@ -334,7 +341,7 @@ def bare_worker(argv: list[str]) -> int:
     folder = Path(cfg.job.dump_folder)
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.debug.seed)
-    args = model_args_for(cfg.model, t.seq_len, 4096)
+    args = model_args_for(cfg.model, t.seq_len, vocab_size(cfg))
     with torch.device("meta"):
         model = get_model_spec(cfg.model.name).model_cls(args)
     model.to_empty(device="cpu")
@@ -378,13 +385,6 @@ def main(argv: list[str] | None = None) -> int:
         payload = json.loads((folder / "bench.json").read_text())
         if len(argv) > 2:
             payload["baseline"] = argv[2]
-        if "peak_flops_before" not in payload:  # files written before the render split
-            payload["peak_flops_before"] = payload["peak_flops"]
-            payload["est_mib"] = {r["row"]: r.get("est_mib") for r in payload["rows"]}
-            payload["repeats"] = max(len(v) for v in payload["runs"].values())
-            words = shlex.split(payload["command"])
-            title = words[words.index("--title") + 1] if "--title" in words else ""
-            payload["title"] = title or "meshtrain benchmark"
         print(render(payload, folder))
         return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -462,14 +462,6 @@ def render(payload: dict, folder: Path) -> str:
     p = payload
     peak = max(p["peak_flops_before"], p["peak_flops_after"])
     rows = [get_row(name) for name in p["runs"]]
-    for name, runs in p["runs"].items():  # files written before the best-step column
-        for i, run in enumerate(runs):
-            if "best_tok_s_dev" not in run:
-                lines = (folder / "runs" / f"{name}.{i}" / "metrics.jsonl").read_text()
-                recs = [json.loads(x) for x in lines.splitlines()]
-                train = [r for r in recs if r.get("kind", "train") == "train"]
-                steady = train[min(p["warmup"], len(train) - 1) :]
-                run["best_tok_s_dev"] = max(r["tokens_per_sec"] for r in steady)
     results = [summarise(r, p["runs"][r.name], p["flops_per_token"], peak) for r in rows]
     for res in results:
         res["est_mib"] = p["est_mib"].get(res["row"])

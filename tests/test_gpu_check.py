@@ -33,6 +33,15 @@ def test_shaped_tokenizer_has_llama3_vocabulary_and_trains(tmp_path):
     ids = tok.encode("The quick brown fox jumps over the lazy dog.", bos=True, eos=True)
     assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id and max(ids[1:-1]) > 255  # merges
 
+    # bench.py counts FLOPs (and MFU) with the tokenizer's vocabulary, as train.py builds it
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench
+
+    shape = ["--config", "tests/tiny_model.toml"]
+    _, sample_params = bench.flops_per_token(shape)
+    _, shaped_params = bench.flops_per_token([*shape, "--model.tokenizer_path", str(path)])
+    assert shaped_params - sample_params == 2 * 64 * (128_256 - 4096)  # embedding + output
+
     dump = tmp_path / "run"
     cmd = [sys.executable, "train.py", "--config", "tests/tiny_model.toml"]
     cmd += ["--model.tokenizer_path", str(path), "--training.steps", "2"]
