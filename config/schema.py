@@ -133,7 +133,8 @@ class Parallelism:
         le=3,
     )
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = opt(
-        "default", "Free gathered parameters after forward (default: yes except the root/PP)"
+        "default",
+        "Free gathered params after forward (default: not the last block, output; none with PP)",
     )
     disable_loss_parallel: bool = opt(False, "Gather full-vocabulary logits under TP")
     pipeline_parallel_schedule: str = opt("1F1B", "PP schedule name")

@@ -177,22 +177,32 @@ def state_bytes(part: nn.Module) -> tuple[int, int, int, int]:
 
 
 def fsdp_working_bytes(part: nn.Module, param_bytes: int, reduce_bytes: int) -> int:
-    """FSDP2's transient memory: the root's parameters (kept gathered between forward and
-    backward), two blocks' gathered parameters (the current one and the prefetched next)
-    and one block's unsharded gradients before their reduce-scatter (compute + reduce dtype)."""
+    """FSDP2's transient memory at its largest moment, with `apply_fsdp`'s units. The final
+    norm + output unit stays gathered from its forward into its backward, beside the last
+    block (also kept) and its own unsharded gradients; in the middle of backward two blocks
+    are gathered (the current one and the prefetched next) plus one block's unsharded
+    gradients before their reduce-scatter (compute + reduce dtype); at the end of backward the
+    embeddings are gathered again with their gradients."""
     from torch.distributed.fsdp import FSDPModule
 
     if not isinstance(part, FSDPModule):
         return 0
 
-    def gathered(params) -> int:
-        return sum(_local(p).numel() * _dp_factor(p) for p in params)
+    def gathered(module) -> int:
+        if module is None:
+            return 0
+        return sum(_local(p).numel() * _dp_factor(p) for p in module.parameters())
 
-    blocks = [gathered(b.parameters()) for b in part.layers.values()]
-    block_ids = {id(p) for b in part.layers.values() for p in b.parameters()}
-    root = gathered(p for p in part.parameters() if id(p) not in block_ids)
-    biggest = max(blocks, default=0)
-    return root * param_bytes + 2 * biggest * param_bytes + biggest * (param_bytes + reduce_bytes)
+    blocks = [gathered(b) for b in part.layers.values()]
+    big = max(blocks, default=0)
+    emb = gathered(getattr(part, "tok_embeddings", None))
+    head = gathered(getattr(part, "norm", None)) + gathered(getattr(part, "output", None))
+    with_grads = 2 * param_bytes + reduce_bytes  # gathered weights + unsharded gradients
+    return max(
+        head * with_grads + big * param_bytes,
+        2 * big * param_bytes + big * (param_bytes + reduce_bytes),
+        emb * with_grads,
+    )
 
 
 def activation_bytes(
@@ -446,9 +456,9 @@ def comm_per_step(
     tensor of S bytes sends (n-1)/n S per rank, an all-reduce twice that. Mesh order (outer
     to inner) pp, dp, tp, so TP groups are the closest ranks.
 
-    FSDP follows meshtrain's resharding: per micro-step the root (embeddings, output) is
-    gathered once and every block twice (forward, backward) except the last, which stays
-    gathered; gradients are reduce-scattered once per step. Under PP parameters stay gathered
+    FSDP follows meshtrain's resharding: per micro-step the final norm + output unit is
+    gathered once, the embeddings and every block twice (forward, backward) except the last
+    block, which stays gathered; gradients are reduce-scattered once per step. Under PP parameters stay gathered
     for the whole step. TP with sequence parallelism: per layer and micro-batch, 2 all-gathers
     + 2 reduce-scatters of a [b, s, h] activation in forward and 4 in backward (+4 for a full
     AC recompute), plus the embedding's reduce-scatter and the output's all-gather."""
@@ -467,7 +477,7 @@ def comm_per_step(
             gathered = (
                 (root + stage_layers * block)
                 if pp > 1
-                else accum * (root + (2 * stage_layers - 1) * block)
+                else accum * (root + v * h + (2 * stage_layers - 1) * block)
             )
             nbytes = frac * (gathered / tp * param_bytes + stage_params * reduce_bytes)
             what = (

@@ -23,6 +23,8 @@ shard is a redundant copy (with bf16 it plays the paper's fp32 master weights, w
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -61,7 +63,8 @@ def apply_fsdp(
     pp_enabled: bool = False,
     pin_memory: bool = True,
 ) -> nn.Module:
-    """ZeRO-3: shards each transformer block, then the root (embeddings, final norm, output).
+    """ZeRO-3: shards the embeddings, each transformer block and the final norm + output as
+    separate units, then the root.
 
     Per-block wrapping keeps each all-gather one block wide so it overlaps the previous
     block's compute. `reshard_after_forward`: "always" frees gathered weights after forward
@@ -76,16 +79,36 @@ def apply_fsdp(
     if cpu_offload:
         # Pinned host memory makes the host<->GPU copies async; it needs an accelerator.
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=pin_memory)
+    default = reshard_after_forward == "default"
+    always = reshard_after_forward == "always"
+    # The token embeddings are used first in forward and last in backward: their own unit,
+    # freed after forward, so a large vocabulary is not held gathered through the whole step.
+    if getattr(model, "tok_embeddings", None) is not None:
+        # nn.Embedding returns a view of its gather; FSDP2 warns that an in-place op on it
+        # would skip the pre-backward all-gather. The blocks only add to it out of place (the
+        # FSDP parity tests check the gradients), so the warning would be noise in every log.
+        warnings.filterwarnings(
+            "ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view tensor"
+        )
+        fully_shard(
+            model.tok_embeddings,
+            reshard_after_forward=always or (default and not pp_enabled),
+            **kwargs,
+        )
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
-        if reshard_after_forward == "default":
-            reshard = not pp_enabled and i < len(blocks) - 1
-        else:
-            reshard = reshard_after_forward == "always"
+        reshard = always or (default and not pp_enabled and i < len(blocks) - 1)
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
-    # The root's own parameters (embeddings, norm, output) are used last in forward and first
-    # in backward, so keeping them gathered between the two costs little memory.
-    fully_shard(model, reshard_after_forward=reshard_after_forward == "always", **kwargs)
+    # Final norm and output projection are used last in forward and first in backward: one
+    # unit kept gathered between the two (no re-gather), freed after its backward.
+    head = [
+        m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m is not None
+    ]
+    if head:
+        fully_shard(head, reshard_after_forward=always, **kwargs)
+    # The root holds no parameters of its own now; it runs FSDP's lazy init and waits for the
+    # last reduce-scatters at the end of backward.
+    fully_shard(model, reshard_after_forward=always, **kwargs)
     return model
 
 

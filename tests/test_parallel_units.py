@@ -114,7 +114,8 @@ def test_ac_op_policy_saves_matmuls_and_recomputes_the_rest():
 
 
 def _two_rank_checks(rank: int, world: int) -> None:
-    """ZeRO-1/2 state and registration, and a mixed-mesh gradient norm, on 2 ranks."""
+    """ZeRO-1/2 state and registration, FSDP2's units, and a mixed-mesh gradient norm, on 2
+    ranks."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -157,6 +158,35 @@ def _two_rank_checks(rank: int, world: int) -> None:
             others = [torch.empty_like(full) for _ in range(world)]
             torch.distributed.all_gather(others, full)
             assert all(torch.equal(o, full) for o in others)
+
+    # FSDP2 units: the embeddings are gathered only around their own forward and backward, the
+    # final norm + output stay gathered from their forward into their backward, and the
+    # gradients equal one process's.
+    from parallelisms.fsdp import apply_fsdp
+
+    f32 = torch.float32
+    model = tiny_model(args, lambda m: apply_fsdp(m, mesh, param_dtype=f32, reduce_dtype=f32))
+
+    def gathered(module) -> bool:  # FSDP2 registers plain tensors while a unit is gathered
+        return not any(isinstance(p, DTensor) for p in module.parameters())
+
+    seen = {}
+    model.layers["1"].register_forward_hook(
+        lambda *_: seen.update(emb=gathered(model.tok_embeddings), head=gathered(model.output))
+    )
+    x, y = batch(4, seed=0)
+    loss = cross_entropy_sum(model(x), y)
+    assert seen == {"emb": False, "head": False}, seen  # during the blocks' forward
+    assert not gathered(model.tok_embeddings) and gathered(model.output)
+    assert gathered(model.norm) and gathered(model.layers["1"]) and not gathered(model.layers["0"])
+    loss.backward()
+    assert not any(
+        gathered(m) for m in (model.tok_embeddings, model.output, *model.layers.values())
+    )
+    ref.zero_grad()
+    cross_entropy_sum(ref(x), y).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
 
     # Gradient norm over a mix: plain tensors, DTensor shards, and replicated DTensors.
     g = torch.Generator().manual_seed(0)
