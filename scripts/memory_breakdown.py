@@ -1,0 +1,147 @@
+"""Where each rank's memory goes during one training step: the peak of live tensors by kind
+(parameters, gradients, optimizer state, activations, FSDP's gathered parameters and
+collective buffers, temporaries).
+
+    torchrun --standalone --nproc_per_node 4 scripts/memory_breakdown.py \\
+        [--config debug_model] [--output FILE.json] [--section.key value ...]
+
+It builds the layout exactly as train.py does (same config, checks, model construction,
+optimizer and step function), runs one warm-up step on random tokens of the configured
+shape (it allocates the optimizer state), then tracks one step with torch's MemTracker
+(FSDPMemTracker under ZeRO-3) and prints the peak per rank. Live-tensor bytes are what CUDA's
+`max_memory_allocated` counts, and on CPU they do not depend on what glibc keeps: the fair
+way to compare layouts' memory there (peak RSS, which bench.py reports, also holds the
+runtime and the heap glibc keeps after frees). Limits: no pipeline parallelism, no gradient
+accumulation (the tracker follows one forward per module), eager only (compiled kernels
+allocate outside the dispatcher it watches). The tracked step runs slower.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+MIB = 2**20
+
+
+def tracker_for(model, optimizer):
+    """FSDPMemTracker for an FSDP2 model (it knows its sharded/unsharded states and
+    buffers), MemTracker otherwise."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        return FSDPMemTracker(model, optimizer)
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    return tracker
+
+
+def breakdown(cfg, world_size: int, local_rank: int) -> dict:
+    """One warm-up and one tracked step of cfg's layout; this rank's peak by kind (bytes)."""
+    import torch
+
+    from models import model_args_for
+    from train import check_config
+    from training.distributed import init_process_group, pick_device, seed_everything
+    from training.loss import cross_entropy_sum
+    from training.optimizer import build_optimizer
+    from training.step import StepSetup, clip_grad_norm_, train_step
+    from training.trainer import build_model_parts, load_tokenizer
+
+    dims = check_config(cfg, world_size)
+    t = cfg.training
+    if dims.pp_enabled:
+        raise SystemExit("memory_breakdown: pipeline parallel layouts are not supported")
+    if t.global_batch_size not in (-1, t.local_batch_size * dims.dp):
+        raise SystemExit("memory_breakdown: gradient accumulation is not supported")
+    if cfg.compile.enable:
+        raise SystemExit("memory_breakdown: compiled kernels are not tracked; drop --compile")
+    device = pick_device(t.device, local_rank)
+    init_process_group(device, world_size, cfg.comm.init_timeout_seconds)
+    seed_everything(cfg.debug.seed, cfg.debug.deterministic)
+    dims.build_mesh(device.type)
+    model_args = model_args_for(cfg.model, t.seq_len, load_tokenizer(cfg).vocab_size)
+    tokens = t.local_batch_size * t.seq_len
+
+    def loss_fn(logits, labels):
+        return cross_entropy_sum(logits, labels) / tokens
+
+    parts, _, _, _ = build_model_parts(cfg, dims, model_args, device, loss_fn)
+    optimizer = build_optimizer(parts, cfg.optimizer, device.type)
+    setup = StepSetup(model_parts=parts, loss_fn=loss_fn, tokens_per_rank_step=tokens)
+    params = [p for part in parts for p in part.parameters()]
+    gen = torch.Generator().manual_seed(cfg.debug.seed + torch.distributed.get_rank())
+    shape = (t.local_batch_size, t.seq_len)
+    batch = [
+        tuple(
+            torch.randint(0, model_args.vocab_size, shape, generator=gen).to(device) for _ in "xy"
+        )
+    ]
+
+    def step():
+        train_step(setup, batch)
+        clip_grad_norm_(params, t.max_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    tracker = tracker_for(parts[0], optimizer)
+    with tracker:
+        step()
+    peak = tracker.get_tracker_snapshot("peak")[device]
+    kinds = {getattr(k, "value", str(k)): int(v) for k, v in peak.items() if v}
+    return {"kinds": kinds}
+
+
+def format_table(per_rank: list[dict], title: str) -> str:
+    kinds = list(dict.fromkeys(k for r in per_rank for k in r["kinds"] if k != "Total"))
+    head = ["rank", *kinds, "Total"]
+    lines = [title, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for i, r in enumerate(per_rank):
+        cells = [f"{r['kinds'].get(k, 0) / MIB:,.1f}" for k in [*kinds, "Total"]]
+        lines.append("| " + " | ".join([str(i), *cells]) + " |")
+    lines.append("")
+    lines.append("MiB; peak of live tensors during one step, by kind (torch MemTracker)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch.distributed as dist
+
+    from config import ConfigError, parse_args
+    from parallelisms.parallel_dims import ParallelismError
+    from training.distributed import LaunchError, cleanup, launch_env
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--config", default="debug_model")
+    ap.add_argument("--output", help="also write the per-rank numbers to this JSON file")
+    ns, extra = ap.parse_known_args(argv)
+    try:
+        cfg = parse_args(["--config", ns.config, *extra])
+        rank, local_rank, world_size = launch_env()
+        mine = breakdown(cfg, world_size, local_rank)
+        per_rank = [None] * world_size
+        dist.all_gather_object(per_rank, mine)
+    except (ConfigError, ParallelismError, LaunchError) as e:
+        print(f"memory_breakdown: {e}", file=sys.stderr)
+        return 2
+    finally:
+        cleanup()
+    if rank == 0:
+        layout = f"{world_size} rank(s), zero_stage {cfg.parallelism.zero_stage}"
+        print(format_table(per_rank, f"memory breakdown: {layout}, {' '.join(extra)}"))
+        if ns.output:
+            record = {"argv": ["--config", ns.config, *extra], "world_size": world_size}
+            Path(ns.output).write_text(json.dumps({**record, "ranks": per_rank}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
