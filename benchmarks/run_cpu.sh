@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CPU benchmark set behind README's Performance section (about 20 minutes on 2 cores).
-#   benchmarks/run_cpu.sh [part ...]     parts: debug m50 dp memory layouts (default: all)
+#   benchmarks/run_cpu.sh [part ...]     parts: debug m50 dp memory breakdown layouts (default: all)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -11,7 +11,7 @@ M50=(--model.dim 512 --model.n_layers 8 --model.n_heads 8 --model.n_kv_heads 8
 BIG=(--model.dim 512 --model.n_layers 32 --model.n_heads 8 --model.n_kv_heads 8
      --training.seq_len 64 --training.local_batch_size 1)
 SINGLE=bare,single_eager,single_foreach_adamw,single_compiled
-for part in "${@:-debug m50 dp memory layouts}"; do
+for part in "${@:-debug m50 dp memory breakdown layouts}"; do
   for p in $part; do
     case $p in
       debug) "$PY" scripts/bench.py --rows $SINGLE --repeats 8 --steps 10 --warmup 4 \
@@ -27,6 +27,19 @@ for part in "${@:-debug m50 dp memory layouts}"; do
       memory) MALLOC_MMAP_THRESHOLD_=131072 "$PY" scripts/bench.py --rows ddp_4,zero3_4 --baseline ddp_4 --estimate \
                --repeats 1 --steps 3 --warmup 1 "${BIG[@]}" \
                --output benchmarks/cpu_memory_4 --title "Memory per rank, DDP vs ZeRO-3, 4 ranks" ;;
+      # the same two layouts' live-tensor peak by kind (what CUDA's max_memory_allocated
+      # counts; no glibc heap, no runtime): scripts/memory_breakdown.py
+      breakdown) out=benchmarks/cpu_memory_4/breakdown.md
+               { echo "# Live-tensor peak per rank by kind, DDP vs ZeRO-3, 4 ranks"; echo
+                 echo "- date: $(date -u '+%Y-%m-%d %H:%M UTC')"
+                 echo "- machine: $(uname -srm), $(nproc) cores; torch $("$PY" -c 'import torch; print(torch.__version__)')"
+                 for stage in 0 3; do
+                   echo "- command: \`torchrun --standalone --nproc_per_node 4 scripts/memory_breakdown.py ${BIG[*]} --parallelism.zero_stage $stage\`"
+                 done; echo
+                 for stage in 0 3; do
+                   "$PY" -m torch.distributed.run --standalone --nproc_per_node 4 scripts/memory_breakdown.py \
+                     "${BIG[@]}" --parallelism.zero_stage $stage 2>/dev/null; echo
+                 done; } > "$out.tmp" && mv "$out.tmp" "$out" && cat "$out" ;;
       layouts) "$PY" scripts/bench.py --rows bare,single_eager,single_ac_full,single_ac_selective,ddp_2,zero3_2,zero3_offload_2,tp_2,pp_2_1F1B,pp_2_GPipe,pp_2_Interleaved1F1B,pp_2_LoopedBFS,pp_2_InterleavedZeroBubble \
                --repeats 1 --steps 6 --warmup 2 \
                --output benchmarks/cpu_debug_layouts --title "Every layout, debug model" ;;
