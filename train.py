@@ -80,8 +80,16 @@ def check_config(cfg: JobConfig, world_size: int) -> ParallelDims:
         t.local_batch_size,
         args.n_layers,
         compile_model=cfg.compile.enable and "model" in cfg.compile.components,
+        device_type=device_type(t.device),
     )
     return dims
+
+
+def device_type(choice: str) -> str:
+    """What `training.device` resolves to on this machine (see `pick_device`)."""
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return choice
 
 
 def dry_run(cfg: JobConfig) -> None:

@@ -200,10 +200,15 @@ def microbatch_count(
 
 
 def validate_pipeline_config(
-    parallelism, local_batch_size: int, n_layers: int, compile_model: bool = False
+    parallelism,
+    local_batch_size: int,
+    n_layers: int,
+    compile_model: bool = False,
+    device_type: str = "cuda",
+    torch_version: str = torch.__version__,
 ) -> None:
     """Every pipeline check that needs only the config: schedule name, stage plan, microbatch
-    count, compile compatibility. A no-op without pipeline parallelism."""
+    count, compile and torch-version compatibility. A no-op without pipeline parallelism."""
     pp = parallelism.pipeline_parallel_degree
     if pp <= 1:
         return
@@ -224,6 +229,16 @@ def validate_pipeline_config(
             f"{cls.__name__} splits backward into input and weight passes, which torch does "
             "not support on compiled stages: disable compile.enable (or drop 'model' from "
             "compile.components) or pick 1F1B, GPipe, Interleaved1F1B or LoopedBFS."
+        )
+    # torch 2.11's V schedules open their stage links with point-to-point ops between
+    # neighbouring stages, two of which share a rank: a send to itself, which gloo cannot do
+    # (the first step fails with "Pair is not connected"). torch 2.13 runs them on gloo.
+    major_minor = tuple(int(x) for x in torch_version.split("+")[0].split(".")[:2])
+    if cls.__name__ in _V_SCHEDULES and device_type == "cpu" and major_minor < (2, 13):
+        raise ParallelismError(
+            f"{cls.__name__} on CPU (gloo) needs torch >= 2.13: torch {torch_version} sends "
+            "between two stages on the same rank, which gloo cannot do. Upgrade torch, or "
+            "pick Interleaved1F1B, LoopedBFS or InterleavedZeroBubble."
         )
 
 

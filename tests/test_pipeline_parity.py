@@ -3,13 +3,14 @@
 The tiny model (tests/tiny_model.toml, here with 4 layers so that multi-stage schedules get
 2 stages of 1 layer per rank) trains 10 steps in fp32 with deterministic algorithms and a
 global batch of 8 sequences. At every step the loss and the gradient norm (the global norm
-over all pipeline stages, clipped to 1.0) must equal the one-process run's within RTOL, and
+over all pipeline stages, clipped to 0.8) must equal the one-process run's within RTOL, and
 so must the validation loss (steps 5 and 10), which runs each schedule's forward-only path.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 from dist_utils import Run, launch_many
 
 from scripts.loss_compare import compare
@@ -19,8 +20,9 @@ from scripts.loss_compare import compare
 # mis-scaled loss moves them by 1e-3 or more.
 RTOL = 1e-4
 
+CLIP = 0.8  # below most steps' gradient norm, so clipping (global over stages) is exercised
 COMMON = [
-    "--model.n_layers", "4",
+    "--model.n_layers", "4", "--training.max_norm", str(CLIP),
     "--validation.enable", "true", "--validation.freq", "5", "--validation.steps", "2",
 ]  # fmt: skip
 
@@ -67,17 +69,40 @@ LAYOUTS = {
 }
 
 
+# torch < 2.13 cannot run the V schedules on gloo; train.py rejects them up front there.
+V_ON_GLOO = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+
+
+def _v_schedule(args: list[str]) -> bool:
+    return any(a in ("ZBVZeroBubble", "DualPipeV") for a in args)
+
+
+PARAMS = [
+    pytest.param(
+        name,
+        marks=pytest.mark.skipif(
+            _v_schedule(args) and not V_ON_GLOO, reason="V schedules on gloo need torch >= 2.13"
+        ),
+    )
+    for name, (_, args) in LAYOUTS.items()
+]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("pp_parity")
-    todo = [Run(name, base / name, n, COMMON + args) for name, (n, args) in LAYOUTS.items()]
+    todo = [
+        Run(name, base / name, n, COMMON + args)
+        for name, (n, args) in LAYOUTS.items()
+        if V_ON_GLOO or not _v_schedule(args)
+    ]
     # The 8-rank run is the slowest: start it first so the others overlap it.
     todo.sort(key=lambda r: -r.nproc)
     todo.append(Run("reference", base / "reference", 1, COMMON))
     return launch_many(todo, parallel=2)
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", PARAMS)
 def test_pipeline_matches_one_process(runs, name):
     ref, run = runs["reference"].check(), runs[name].check()
     for kind, key in (("train", "loss"), ("train", "grad_norm"), ("validation", "loss")):
@@ -94,4 +119,4 @@ def test_pipeline_matches_one_process(runs, name):
 
 def test_reference_clips_at_least_once(runs):
     # Otherwise the grad-norm parity above would not show that clipping spans the stages.
-    assert any(r["grad_norm"] > 1.0 for r in runs["reference"].check().records())
+    assert any(r["grad_norm"] > CLIP for r in runs["reference"].check().records())

@@ -121,7 +121,10 @@ def test_gradient_accumulation_4x2_equals_batch_8():
     accum, m_accum = _run_steps(2)
     assert accum == pytest.approx(full, rel=1e-5)
     for a, b in zip(m_full.parameters(), m_accum.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        # 1% of one step's update (lr 0.01): summation order differs between the two, and
+        # Adam's division by sqrt(v) enlarges that noise where a gradient is near zero (seen
+        # at 1.3e-5 on torch 2.11). A wrong accumulation is off by whole updates.
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_clip_grad_norm_returns_total_norm_and_clips():
