@@ -48,12 +48,13 @@ def breakdown(cfg, world_size: int, local_rank: int) -> dict:
     import torch
 
     from models import model_args_for
+    from parallelisms.fsdp import mixed_precision_dtypes
     from train import check_config
     from training.distributed import init_process_group, pick_device, seed_everything
     from training.loss import cross_entropy_sum
     from training.optimizer import build_optimizer
     from training.step import StepSetup, clip_grad_norm_, train_step
-    from training.trainer import build_model_parts, load_tokenizer
+    from training.trainer import build_model_parts, forward_context, load_tokenizer
 
     dims = check_config(cfg, world_size)
     t = cfg.training
@@ -75,7 +76,18 @@ def breakdown(cfg, world_size: int, local_rank: int) -> dict:
 
     parts, _, _, _ = build_model_parts(cfg, dims, model_args, device, loss_fn)
     optimizer = build_optimizer(parts, cfg.optimizer, device.type)
-    setup = StepSetup(model_parts=parts, loss_fn=loss_fn, tokens_per_rank_step=tokens)
+    compute_dtype = mixed_precision_dtypes(t, device.type)[0]
+    autocast = not dims.dp_enabled and compute_dtype != torch.float32  # as the trainer
+    setup = StepSetup(
+        model_parts=parts,
+        loss_fn=loss_fn,
+        tokens_per_rank_step=tokens,
+        loss_context=forward_context(
+            dims.tp_enabled and not cfg.parallelism.disable_loss_parallel,
+            compute_dtype if autocast else None,
+            device.type,
+        ),
+    )
     params = [p for part in parts for p in part.parameters()]
     gen = torch.Generator().manual_seed(cfg.debug.seed + torch.distributed.get_rank())
     shape = (t.local_batch_size, t.seq_len)

@@ -1,5 +1,6 @@
 """scripts/memory_breakdown.py on real 2-rank gloo runs: the live-tensor peak by kind shows
-DDP holding the full states and ZeRO-3 half of them, and bad layouts fail with a message."""
+DDP holding the full states, ZeRO-3 half of them and TP half the parameters, and bad
+layouts fail with a message."""
 
 from __future__ import annotations
 
@@ -27,21 +28,28 @@ def _run(tmp_path, nproc: int, *args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_zero3_peak_holds_half_the_states_of_ddp_at_two_ranks(tmp_path):
+def test_zero3_and_tp_peaks_hold_half_the_parameters_of_ddp_at_two_ranks(tmp_path):
     cfg = parse_args(["--config", str(TINY_CONFIG)])
     args = model_args_for(cfg.model, cfg.training.seq_len, load_tokenizer(cfg).vocab_size)
     with torch.device("meta"):
         n_params = sum(p.numel() for p in get_model_spec("llama3").model_cls(args).parameters())
     kinds = {}
-    for stage in (0, 3):
-        out = tmp_path / f"stage{stage}.json"
-        proc = _run(tmp_path, 2, "--parallelism.zero_stage", str(stage), "--output", str(out))
+    layouts = {
+        "ddp": ["--parallelism.zero_stage", "0"],
+        "fsdp": ["--parallelism.zero_stage", "3"],
+        "tp": ["--parallelism.tensor_parallel_degree", "2"],  # loss parallel, as train.py
+    }
+    for name, args in layouts.items():
+        out = tmp_path / f"{name}.json"
+        proc = _run(tmp_path, 2, *args, "--output", str(out))
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert "| rank |" in proc.stdout
         ranks = json.loads(out.read_text())["ranks"]
         assert len(ranks) == 2
-        kinds[stage] = ranks[0]["kinds"]
-    ddp, fsdp = kinds[0], kinds[3]
+        kinds[name] = ranks[0]["kinds"]
+    ddp, fsdp = kinds["ddp"], kinds["fsdp"]
+    # TP 2 shards every weight matrix (the norms stay whole): about half the parameters
+    assert 0.45 * ddp["Parameter"] < kinds["tp"]["Parameter"] < 0.55 * ddp["Parameter"]
     assert ddp["Parameter"] == 4 * n_params  # fp32, replicated
     assert ddp["Optstate"] >= 2 * 4 * n_params  # exp_avg + exp_avg_sq (+ step counters)
     assert fsdp["Sharded Param"] == 4 * n_params // 2  # this model's shards are even
