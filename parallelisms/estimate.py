@@ -458,8 +458,8 @@ def comm_per_step(
 
     FSDP follows meshtrain's resharding: per micro-step the final norm + output unit is
     gathered once, the embeddings and every block twice (forward, backward) except the last
-    block, which stays gathered; gradients are reduce-scattered once per step. Under PP parameters stay gathered
-    for the whole step. TP with sequence parallelism: per layer and micro-batch, 2 all-gathers
+    block, which stays gathered; gradients are reduce-scattered once per step. Under PP
+    parameters stay gathered for the whole step. TP with sequence parallelism: per layer and micro-batch, 2 all-gathers
     + 2 reduce-scatters of a [b, s, h] activation in forward and 4 in backward (+4 for a full
     AC recompute), plus the embedding's reduce-scatter and the output's all-gather."""
     out = []

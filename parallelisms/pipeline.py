@@ -199,6 +199,14 @@ def microbatch_count(
     return n
 
 
+def v_schedules_on_gloo(torch_version: str = torch.__version__) -> bool:
+    """Whether this torch runs the V schedules on gloo. torch 2.11's open their stage links
+    with point-to-point ops between neighbouring stages, two of which share a rank: a send to
+    itself, which gloo cannot do (the first step fails with "Pair is not connected"). 2.13
+    runs them; 2.12 is untested, so it counts as unable."""
+    return tuple(int(x) for x in torch_version.split("+")[0].split(".")[:2]) >= (2, 13)
+
+
 def validate_pipeline_config(
     parallelism,
     local_batch_size: int,
@@ -230,11 +238,11 @@ def validate_pipeline_config(
             "not support on compiled stages: disable compile.enable (or drop 'model' from "
             "compile.components) or pick 1F1B, GPipe, Interleaved1F1B or LoopedBFS."
         )
-    # torch 2.11's V schedules open their stage links with point-to-point ops between
-    # neighbouring stages, two of which share a rank: a send to itself, which gloo cannot do
-    # (the first step fails with "Pair is not connected"). torch 2.13 runs them on gloo.
-    major_minor = tuple(int(x) for x in torch_version.split("+")[0].split(".")[:2])
-    if cls.__name__ in _V_SCHEDULES and device_type == "cpu" and major_minor < (2, 13):
+    if (
+        cls.__name__ in _V_SCHEDULES
+        and device_type == "cpu"
+        and not v_schedules_on_gloo(torch_version)
+    ):
         raise ParallelismError(
             f"{cls.__name__} on CPU (gloo) needs torch >= 2.13: torch {torch_version} sends "
             "between two stages on the same rank, which gloo cannot do. Upgrade torch, or "

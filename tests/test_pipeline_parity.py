@@ -10,9 +10,9 @@ so must the validation loss (steps 5 and 10), which runs each schedule's forward
 from __future__ import annotations
 
 import pytest
-import torch
 from dist_utils import Run, launch_many
 
+from parallelisms.pipeline import v_schedules_on_gloo
 from scripts.loss_compare import compare
 
 # Relative tolerance per step. Pipelining splits the batch into microbatches and layouts
@@ -70,7 +70,7 @@ LAYOUTS = {
 
 
 # torch < 2.13 cannot run the V schedules on gloo; train.py rejects them up front there.
-V_ON_GLOO = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+V_ON_GLOO = v_schedules_on_gloo()
 
 
 def _v_schedule(args: list[str]) -> bool:
