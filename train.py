@@ -22,7 +22,7 @@ from models import get_model_spec, model_args_for
 from parallelisms.parallel_dims import ParallelDims, ParallelismError
 from parallelisms.pipeline import validate_pipeline_config
 from parallelisms.tensor_parallel import check_tp
-from training.distributed import LaunchError, launch_env
+from training.distributed import LaunchError, device_type, launch_env
 
 logger = logging.getLogger("meshtrain")
 
@@ -83,13 +83,6 @@ def check_config(cfg: JobConfig, world_size: int) -> ParallelDims:
         device_type=device_type(t.device),
     )
     return dims
-
-
-def device_type(choice: str) -> str:
-    """What `training.device` resolves to on this machine (see `pick_device`)."""
-    if choice == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return choice
 
 
 def dry_run(cfg: JobConfig) -> None:

@@ -48,13 +48,12 @@ def breakdown(cfg, world_size: int, local_rank: int) -> dict:
     import torch
 
     from models import model_args_for
-    from parallelisms.fsdp import mixed_precision_dtypes
     from train import check_config
     from training.distributed import init_process_group, pick_device, seed_everything
     from training.loss import cross_entropy_sum
     from training.optimizer import build_optimizer
     from training.step import StepSetup, clip_grad_norm_, train_step
-    from training.trainer import build_model_parts, forward_context, load_tokenizer
+    from training.trainer import build_model_parts, layout_forward_context, load_tokenizer
 
     dims = check_config(cfg, world_size)
     t = cfg.training
@@ -76,17 +75,11 @@ def breakdown(cfg, world_size: int, local_rank: int) -> dict:
 
     parts, _, _, _ = build_model_parts(cfg, dims, model_args, device, loss_fn)
     optimizer = build_optimizer(parts, cfg.optimizer, device.type)
-    compute_dtype = mixed_precision_dtypes(t, device.type)[0]
-    autocast = not dims.dp_enabled and compute_dtype != torch.float32  # as the trainer
     setup = StepSetup(
         model_parts=parts,
         loss_fn=loss_fn,
         tokens_per_rank_step=tokens,
-        loss_context=forward_context(
-            dims.tp_enabled and not cfg.parallelism.disable_loss_parallel,
-            compute_dtype if autocast else None,
-            device.type,
-        ),
+        loss_context=layout_forward_context(cfg, dims, device.type),
     )
     params = [p for part in parts for p in part.parameters()]
     gen = torch.Generator().manual_seed(cfg.debug.seed + torch.distributed.get_rank())

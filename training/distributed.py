@@ -35,9 +35,16 @@ def launch_env() -> tuple[int, int, int]:
     return rank, local_rank, world_size
 
 
+def device_type(choice: str) -> str:
+    """What `training.device` resolves to on this machine: `auto` = CUDA when present."""
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return choice
+
+
 def pick_device(choice: str, local_rank: int) -> torch.device:
     """`auto` = this rank's CUDA device when GPUs are present, else the CPU."""
-    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+    if device_type(choice) == "cuda":
         if not torch.cuda.is_available():
             raise LaunchError(
                 "training.device = 'cuda' but no CUDA device is visible; use --training.device cpu."

@@ -139,6 +139,19 @@ def forward_context(tp_loss_parallel: bool, autocast_dtype: torch.dtype | None, 
     return context
 
 
+def layout_forward_context(cfg: JobConfig, parallel_dims: ParallelDims, device_type: str):
+    """`forward_context` for this layout: loss parallel under TP unless disabled; autocast to
+    the compute dtype where no FSDP/ZeRO casts the weights (one GPU, TP- or PP-only layouts),
+    which gives the same bf16 compute over fp32 weights."""
+    compute_dtype = mixed_precision_dtypes(cfg.training, device_type)[0]
+    autocast = not parallel_dims.dp_enabled and compute_dtype != torch.float32
+    return forward_context(
+        parallel_dims.tp_enabled and not cfg.parallelism.disable_loss_parallel,
+        compute_dtype if autocast else None,
+        device_type,
+    )
+
+
 def run_training(
     cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, local_rank: int, stop
 ) -> TrainState:
@@ -173,11 +186,7 @@ def run_training(
     fpt = flops_per_token(
         n_no_emb, model_args.n_layers, model_args.n_heads, model_args.head_dim, t.seq_len
     )
-    # FSDP/ZeRO cast the weights to the compute dtype; without data parallelism (one GPU,
-    # TP- or PP-only layouts) autocast gives the same bf16 compute over fp32 weights.
     compute_dtype = mixed_precision_dtypes(t, device.type)[0]
-    autocast = not parallel_dims.dp_enabled and compute_dtype != torch.float32
-    autocast_dtype = compute_dtype if autocast else None
     peak, peak_src = device_peak_flops(device, compute_dtype, default_cache_dir())
     logger.info(
         "model %s %s: %s parameters, %.2f GFLOP/token; global batch %d sequences "
@@ -240,11 +249,7 @@ def run_training(
         pp_schedule=schedule,
         pp_first_stage=first,
         pp_last_stage=last,
-        loss_context=forward_context(
-            parallel_dims.tp_enabled and not cfg.parallelism.disable_loss_parallel,
-            autocast_dtype,
-            device.type,
-        ),
+        loss_context=layout_forward_context(cfg, parallel_dims, device.type),
     )
     params = [p for part in model_parts for p in part.parameters()]
     pp_group = parallel_dims.dim("pp").get_group() if parallel_dims.pp_enabled else None
