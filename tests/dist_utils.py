@@ -17,6 +17,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_CONFIG = ROOT / "tests" / "tiny_model.toml"
+# tiny_model.toml's shape as overrides of any config (debug_model, say): ~0.65M parameters
+TINY_SHAPE = [
+    "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4",
+    "--model.n_kv_heads", "2",
+]  # fmt: skip
 
 
 @dataclass

@@ -6,9 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dist_utils import TINY_SHAPE
+
 ROOT = Path(__file__).resolve().parent.parent
-TINY = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4"]
-TINY += ["--model.n_kv_heads", "2", "--training.seq_len", "32", "--training.local_batch_size", "2"]
+TINY = [*TINY_SHAPE, "--training.seq_len", "32", "--training.local_batch_size", "2"]
 
 
 def test_bench_smoke(tmp_path):

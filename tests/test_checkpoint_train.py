@@ -20,19 +20,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_utils import TINY_SHAPE
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = [
     "--config",
     "debug_model",
-    "--model.dim",
-    "64",
-    "--model.n_layers",
-    "2",
-    "--model.n_heads",
-    "4",
-    "--model.n_kv_heads",
-    "2",
+    *TINY_SHAPE,
     "--training.seq_len",
     "32",
     "--training.local_batch_size",

@@ -20,13 +20,13 @@ import time
 from pathlib import Path
 
 import pytest
+from dist_utils import TINY_SHAPE
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "multinode_trainer.slurm"
 PACKAGES = ["slurmd", "slurmctld", "slurm-client", "munge"]
-TINY = (
-    "--model.dim 64 --model.n_layers 2 --model.n_heads 4 --model.n_kv_heads 2 "
-    "--training.seq_len 32 --training.local_batch_size 4 --training.device cpu "
+TINY = " ".join(TINY_SHAPE) + (
+    " --training.seq_len 32 --training.local_batch_size 4 --training.device cpu "
     "--validation.enable false --metrics.enable_tensorboard false --lr_scheduler.warmup_steps 2"
 )
 
