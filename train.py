@@ -22,7 +22,7 @@ from models import get_model_spec, model_args_for
 from parallelisms.parallel_dims import ParallelDims, ParallelismError
 from parallelisms.pipeline import validate_pipeline_config
 from parallelisms.tensor_parallel import check_tp
-from training.distributed import LaunchError, device_type, launch_env
+from training.distributed import LaunchError, device_type, launch_env, pick_device
 
 logger = logging.getLogger("meshtrain")
 
@@ -74,6 +74,7 @@ def check_config(cfg: JobConfig, world_size: int) -> ParallelDims:
             f"data_parallel_shard_degree > 1 (got zero_stage {dims.zero_stage}, "
             f"data_parallel_shard_degree {dims.dp_shard})."
         )
+    check_data_files(cfg)
     check_tp(args.n_heads, args.kv_heads, t.seq_len, dims.tp)
     validate_pipeline_config(
         p,
@@ -83,6 +84,22 @@ def check_config(cfg: JobConfig, world_size: int) -> ParallelDims:
         device_type=device_type(t.device),
     )
     return dims
+
+
+def check_data_files(cfg: JobConfig) -> None:
+    """Local dataset paths must match files now, not after the model is built."""
+    from data.sources import FILE_EXTENSIONS, resolve_files
+
+    t, v = cfg.training, cfg.validation
+    sources = [("training", t.dataset, t.dataset_path)]
+    if v.enable:
+        sources.append(("validation", v.dataset or t.dataset, v.dataset_path or t.dataset_path))
+    for section, kind, path in sources:
+        if kind in FILE_EXTENSIONS:
+            try:
+                resolve_files(kind, path)
+            except ValueError as e:
+                raise ConfigError(f"{section}.dataset_path: {e}") from None
 
 
 def dry_run(cfg: JobConfig) -> None:
@@ -165,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             create_seed_checkpoint(cfg, world_size)
             return 0
         parallel_dims = check_config(cfg, world_size)
+        pick_device(cfg.training.device, local_rank)  # no GPU, or more ranks than GPUs
     except (ConfigError, ParallelismError, LaunchError, CheckpointError) as e:
         print(f"meshtrain: error: {e}", file=sys.stderr)
         return 2

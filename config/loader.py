@@ -234,6 +234,16 @@ def parse_args(argv: list[str]) -> JobConfig:
 def validate(cfg: JobConfig) -> None:
     """Cross-field checks that need no process group (world-size checks live in parallel_dims)."""
     t = cfg.training
+    if t.global_batch_size == 0:
+        raise ConfigError(
+            "training.global_batch_size = 0: use -1 (local_batch_size x DP degree) or a "
+            "positive multiple of local_batch_size x DP degree."
+        )
+    if cfg.parallelism.pipeline_parallel_layers_per_stage == 0:
+        raise ConfigError(
+            "parallelism.pipeline_parallel_layers_per_stage = 0: use -1 (split the layers "
+            "evenly) or a positive number of layers per stage."
+        )
     if t.global_batch_size != -1 and t.global_batch_size % t.local_batch_size:
         raise ConfigError(
             f"training.global_batch_size = {t.global_batch_size} must be a multiple of "
@@ -244,6 +254,27 @@ def validate(cfg: JobConfig) -> None:
             f"training.dataset = '{t.dataset}' needs training.dataset_path (a file, glob or "
             "folder, or the Hugging Face dataset name); or use dataset = 'sample'."
         )
+    v = cfg.validation
+    if v.enable and (v.dataset or t.dataset) in ("text", "jsonl", "parquet") and not v.dataset_path:
+        raise ConfigError(
+            f"validation.enable with {v.dataset or t.dataset} files needs "
+            "validation.dataset_path: local files have no held-out split, so validating on "
+            "training.dataset_path would measure the training data. Point it at held-out "
+            "files, or set validation.enable = false."
+        )
+    ck = cfg.checkpoint
+    if not ck.enable:
+        loads = {
+            "initial_load_path": ck.initial_load_path != "",
+            "load_step": ck.load_step != -1,
+            "exclude_from_loading": bool(ck.exclude_from_loading),
+        }
+        if any(loads.values()):
+            names = ", ".join(f"checkpoint.{k}" for k, on in loads.items() if on)
+            raise ConfigError(
+                f"{names} set but checkpoint.enable = false, so nothing would be loaded: "
+                "set checkpoint.enable = true (or drop the option)."
+            )
     ac = cfg.activation_checkpoint
     if ac.mode == "selective" and ac.selective_ac_option != "op":
         if not ac.selective_ac_option.isdigit() or int(ac.selective_ac_option) < 1:

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from config import ConfigError, JobConfig, config_to_toml, help_text, parse_args
 from config.loader import CONFIGS_DIR
@@ -87,6 +88,22 @@ def test_int_is_accepted_for_float():
         (["--parallelism.context_parallel_degree", "2"], "context parallelism is reserved"),
         (["--training.dataset", "c4"], "training.dataset = 'c4' is invalid: expected one of"),
         (["--training.dataset", "jsonl"], "needs training.dataset_path"),
+        (["--training.global_batch_size", "0"], "training.global_batch_size = 0: use -1"),
+        (["--parallelism.pipeline_parallel_layers_per_stage", "0"], "layers_per_stage = 0"),
+        (
+            ["--checkpoint.initial_load_path", "x", "--checkpoint.load_step", "3"],
+            "checkpoint.initial_load_path, checkpoint.load_step set but checkpoint.enable = "
+            "false, so nothing would be loaded",
+        ),
+        (
+            ["--training.dataset", "jsonl", "--training.dataset_path", "a.jsonl"]
+            + ["--validation.enable", "true"],
+            "validation.enable with jsonl files needs validation.dataset_path",
+        ),
+        (
+            ["--validation.enable", "true", "--validation.dataset", "text"],
+            "validation.enable with text files needs validation.dataset_path",
+        ),
     ],
 )
 def test_errors_name_the_key_and_value(argv, expected):
@@ -150,6 +167,15 @@ def test_train_cli_help_and_errors_before_any_work():
     out = _train("--model.flavor", "9B")
     assert out.returncode == 2
     assert "model.flavor = '9B' is not a flavor of 'llama3'" in out.stderr
+    out = _train("--model.dim", "100")
+    assert out.returncode == 2
+    assert "model shape: dim = 100 is not a multiple of n_heads = 16" in out.stderr
+    out = _train("--training.dataset", "text", "--training.dataset_path", "/nonexistent/*.txt")
+    assert out.returncode == 2
+    assert "training.dataset_path: dataset_path '/nonexistent/*.txt' matches no text" in out.stderr
+    if not torch.cuda.is_available():
+        out = _train("--training.device", "cuda")
+        assert out.returncode == 2 and "no CUDA device is visible" in out.stderr
     env = {"WORLD_SIZE": "3", "RANK": "0", "MASTER_ADDR": "localhost", "PATH": ""}
     out = _train("--parallelism.tensor_parallel_degree", "2", env=env)
     assert out.returncode == 2

@@ -32,6 +32,23 @@ class ModelArgs:
     max_seq_len: int = 8192
     depth_init: bool = True  # output-projection std shrinks with depth
 
+    def __post_init__(self) -> None:
+        """Shapes the layers cannot be built with fail here, not inside attention."""
+        problems = []
+        if self.dim % self.n_heads:
+            problems.append(f"dim = {self.dim} is not a multiple of n_heads = {self.n_heads}")
+        elif self.head_dim % 2:
+            problems.append(
+                f"head_dim = dim / n_heads = {self.head_dim} is odd (RoPE rotates pairs)"
+            )
+        if self.n_heads % self.kv_heads:
+            problems.append(
+                f"n_heads = {self.n_heads} is not a multiple of n_kv_heads = {self.kv_heads} "
+                "(each key/value head serves n_heads / n_kv_heads query heads)"
+            )
+        if problems:
+            raise ValueError("model shape: " + "; ".join(problems) + ".")
+
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
