@@ -86,6 +86,10 @@ def test_two_rank_run_learns_and_writes_every_output(tmp_path):
         "data_time_s",
     ):
         assert all(isinstance(r[key], (int, float)) for r in train), key
+    # the LR each step used: warmup 2 gives steps 1 and 2 a third and two thirds of the peak;
+    # the cosine decay reaches min_lr_factor 0.1 at the last step
+    assert [r["lr"] for r in train[:2]] == pytest.approx([1e-3, 2e-3])
+    assert train[-1]["lr"] == pytest.approx(3e-4)
     first, last = train[0]["loss"], sum(r["loss"] for r in train[-3:]) / 3
     assert 7.5 < first < 10.0  # about ln(4096) = 8.3 at init
     assert last < first - 1.0, (first, last)

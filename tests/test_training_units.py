@@ -26,6 +26,9 @@ def test_lr_schedule_values():
     # decay_ratio 0.2: flat at 1 until step 80, then linear to the floor at 100.
     assert f(50, "linear", 0.2) == 1.0
     assert f(90, "linear", 0.2) == pytest.approx(0.1 + 0.9 * 0.5)
+    # a decay window reaching into warmup (10 + 95 > 100 steps) starts when warmup ends
+    assert f(10, "linear", 0.95) == pytest.approx(10 / 11)
+    assert f(11, "linear", 0.95) == pytest.approx(f(11, "linear"))
 
 
 def test_lr_scheduler_drives_the_optimizer():

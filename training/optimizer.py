@@ -61,12 +61,15 @@ def lr_factor(
     """LR multiplier for optimizer step `step` (1-based): warmup, flat, then decay.
 
     Warmup rises linearly to 1 over `warmup` steps (step 1 gets 1/(warmup+1), never 0). The
-    last `decay_ratio * total_steps` steps (all post-warmup steps when None) decay from 1 to
-    `min_lr_factor` following `decay_type`; `constant` holds 1 throughout.
+    last `decay_ratio * total_steps` steps (all post-warmup steps when None, and never more:
+    decay starts after warmup) decay from 1 to `min_lr_factor` following `decay_type`;
+    `constant` holds 1 throughout.
     """
     if step <= warmup:
         return step / (warmup + 1)
-    decay_steps = total_steps - warmup if decay_ratio is None else round(total_steps * decay_ratio)
+    decay_steps = total_steps - warmup
+    if decay_ratio is not None:
+        decay_steps = min(decay_steps, round(total_steps * decay_ratio))
     decay_start = total_steps - decay_steps
     if decay_type == "constant" or step <= decay_start or decay_steps <= 0:
         return 1.0

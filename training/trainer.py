@@ -203,6 +203,15 @@ def run_training(
         peak_src,
     )
 
+    if cfg.lr_scheduler.warmup_steps >= t.steps:
+        logger.warning(
+            "lr_scheduler.warmup_steps = %d is not below training.steps = %d: the LR never "
+            "reaches optimizer.lr = %g in this run",
+            cfg.lr_scheduler.warmup_steps,
+            t.steps,
+            cfg.optimizer.lr,
+        )
+
     loader = functools.partial(
         build_dataloader,
         tokenizer=tokenizer,
@@ -309,6 +318,7 @@ def run_training(
                 if rss_before_model is not None:  # CPU: peak RSS minus this = the run's own
                     record["rss_before_model_gib"] = rss_before_model
                 metrics.log(state.step, record, kind="memory")
+            step_lr = lr_scheduler.get_last_lr()[0]  # the LR this step used
             lr_scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             phases.mark("optimizer")
@@ -332,7 +342,7 @@ def run_training(
                 record = {
                     "loss": global_loss,
                     "grad_norm": grad_norm.item(),
-                    "lr": lr_scheduler.get_last_lr()[0],
+                    "lr": step_lr,
                     **rates,
                     "memory_gib": peak_memory_gib(device),
                     "step_time_s": window["time"] / window["steps"],
