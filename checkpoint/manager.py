@@ -28,6 +28,7 @@ from checkpoint.state import (
     apply_state,
     build_state,
     check_fits,
+    check_model_args,
     model_view,
     read_metadata,
     single_process,
@@ -206,6 +207,20 @@ class CheckpointManager:
                         f"checkpoint.load_step = {c.load_step} but {self.folder} has no "
                         f"complete checkpoint step-{c.load_step} (complete ones: {steps})."
                     )
+                later = [p.name for s, p in found if s > c.load_step]
+                if later:
+                    # Resuming here would leave those as the folder's newest: keep_latest_k
+                    # would delete this run's own new checkpoints first, and a restart
+                    # without load_step would jump to them (with it: back to load_step).
+                    return (
+                        f"checkpoint.load_step = {c.load_step} but {self.folder} also holds "
+                        f"later checkpoints ({', '.join(later)}); a run continuing from step "
+                        f"{c.load_step} in this folder would mix two histories. To roll back, "
+                        f"move the later ones out of the folder (e.g. rename {later[0]} to "
+                        f"{later[0]}.abandoned) and resume without load_step; or start a new "
+                        f"job.dump_folder with checkpoint.initial_load_path = "
+                        f"{path} and checkpoint.initial_load_model_only = false."
+                    )
                 source = f"checkpoint.load_step = {c.load_step}"
             elif found:
                 path, source = found[-1][1], "latest checkpoint in the run folder"
@@ -248,6 +263,8 @@ class CheckpointManager:
         if layout.get("world_size") != world or f"rng.rank{self.rank}" not in metadata:
             components = [c for c in components if c != "rng"]  # per-rank: same world only
         sd = self._state(components)
+        if "model" in components:
+            check_model_args(path, layout, getattr(self.model_parts[0], "args", None))
         check_fits(path, sd, metadata, self.pg)
         with single_process():
             dcp.load(

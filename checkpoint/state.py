@@ -205,6 +205,29 @@ def _of_param(key: str, fqns: set[str]) -> bool:
     return key.startswith("optimizer.") and any(f".{f}." in key for f in fqns)
 
 
+# Model arguments that change what the weights compute without changing any tensor's shape
+# (shape differences are check_fits' job); a changed max_seq_len is a legitimate choice.
+FUNCTION_ARGS = ("rope_theta", "use_scaled_rope", "norm_eps")
+
+
+def check_model_args(path, layout: dict, args) -> None:
+    """Raises when the checkpoint's recorded model arguments (layout.json) differ from the
+    run's in FUNCTION_ARGS, e.g. Llama 3.1 weights loaded without their RoPE scaling."""
+    saved = (layout.get("model") or {}).get("args") or {}
+    diffs = [
+        f"{k}: checkpoint {saved[k]!r} vs model {getattr(args, k)!r}"
+        for k in FUNCTION_ARGS
+        if k in saved and hasattr(args, k) and saved[k] != getattr(args, k)
+    ]
+    if diffs:
+        raise CheckpointError(
+            f"{path} was saved by a model that computes differently from this run's ("
+            + "; ".join(diffs)
+            + "). Configure the run like the checkpoint (model.flavor; model.rope_scaling = "
+            "'llama3' or 'none' for use_scaled_rope)."
+        )
+
+
 def check_fits(path, sd: dict, metadata: dict, group=None) -> None:
     """Raises one CheckpointError listing every key of `sd` missing from the checkpoint,
     every shape that differs, and every model key of the checkpoint that no rank's model has.

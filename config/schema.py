@@ -55,6 +55,11 @@ class Model:
     n_layers: int = opt(0, "Override the flavor's number of layers (0 = the flavor's)", ge=0)
     n_heads: int = opt(0, "Override the flavor's attention heads (0 = the flavor's)", ge=0)
     n_kv_heads: int = opt(0, "Override the flavor's key/value heads (0 = the flavor's)", ge=0)
+    rope_scaling: Literal["flavor", "none", "llama3"] = opt(
+        "flavor",
+        "RoPE frequency scaling: flavor = the flavor's (Llama 3.1's llama3 scaling for 8B, "
+        "70B, 405B), none (Llama 3.0 weights), llama3",
+    )
 
 
 @dataclass

@@ -53,9 +53,14 @@ def get_model_spec(name: str) -> ModelSpec:
 SHAPE_OVERRIDES = ("dim", "n_layers", "n_heads", "n_kv_heads")
 
 
-def shape_overrides(model_cfg) -> dict[str, int]:
-    """The `[model]` shape overrides that are set (non-zero), for `build_model_args`."""
-    return {k: getattr(model_cfg, k) for k in SHAPE_OVERRIDES if getattr(model_cfg, k, 0)}
+def arg_overrides(model_cfg) -> dict[str, int | bool]:
+    """The `[model]` overrides that are set (shapes non-zero, rope_scaling not 'flavor'), for
+    `build_model_args`."""
+    out = {k: getattr(model_cfg, k) for k in SHAPE_OVERRIDES if getattr(model_cfg, k, 0)}
+    rope = getattr(model_cfg, "rope_scaling", "flavor")
+    if rope != "flavor":
+        out["use_scaled_rope"] = rope == "llama3"
+    return out
 
 
 def build_model_args(
@@ -63,10 +68,10 @@ def build_model_args(
     flavor: str,
     seq_len: int,
     vocab_size: int | None = None,
-    overrides: dict[str, int] | None = None,
+    overrides: dict[str, int | bool] | None = None,
 ):
     """The flavor's arguments with the run's sequence length, shape `overrides` (from
-    `shape_overrides`) and, when a tokenizer is loaded, its vocabulary size."""
+    `arg_overrides`) and, when a tokenizer is loaded, its vocabulary size."""
     spec = get_model_spec(name)
     if flavor not in spec.flavors:
         raise ValueError(
@@ -82,5 +87,5 @@ def build_model_args(
 def model_args_for(model_cfg, seq_len: int, vocab_size: int | None = None):
     """`build_model_args` for a config's `[model]` section (name, flavor, shape overrides)."""
     return build_model_args(
-        model_cfg.name, model_cfg.flavor, seq_len, vocab_size, shape_overrides(model_cfg)
+        model_cfg.name, model_cfg.flavor, seq_len, vocab_size, arg_overrides(model_cfg)
     )

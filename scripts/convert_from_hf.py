@@ -52,8 +52,8 @@ def compare_with_flavor(args, name: str, flavor: str) -> None:
         if getattr(args, f) != getattr(ref, f):
             print(
                 f"warning: {f} = {getattr(args, f)} in config.json, {getattr(ref, f)} in "
-                f"flavor {flavor} (the run uses the flavor's value; vocab_size the "
-                "tokenizer's)"
+                f"flavor {flavor} (vocab_size: the run uses the tokenizer's; the others "
+                "must match at load time: model.rope_scaling sets use_scaled_rope)"
             )
 
 

@@ -2,8 +2,10 @@
 discovery, keep_latest_k, mismatch messages, exclusions, several model parts, checkpoint_info."""
 
 import copy
+import dataclasses
 import importlib.util
 import logging
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -252,15 +254,39 @@ def test_mismatch_is_one_message_listing_everything(tmp_path):
     assert smaller.progress.step == 0
 
 
+def test_weights_of_a_differently_computing_model_are_refused(tmp_path):
+    """Same shapes, other RoPE: Llama 3.1 weights loaded without their frequency scaling."""
+    cfg = make_cfg(tmp_path)
+    Run(cfg).train(2)
+    other = Run(cfg)
+    other.parts[0].args = dataclasses.replace(other.parts[0].args, use_scaled_rope=True)
+    with pytest.raises(CheckpointError, match="use_scaled_rope: checkpoint False vs model True"):
+        other.ckpt.load()
+    assert other.progress.step == 0
+    assert Run(cfg).ckpt.load()  # the same arguments load
+
+
 def test_load_step_exclusions_and_initial_load(tmp_path):
     cfg = make_cfg(tmp_path / "src")
     src = Run(cfg)
     src.train(4)
+    at4 = Run(make_cfg(tmp_path / "src", load_step=4))
+    at4.ckpt.load()
+    assert at4.progress.step == 4 and at4.loader.position == 8
+    with pytest.raises(CheckpointError, match="no complete checkpoint step-3.*2, 4"):
+        Run(make_cfg(tmp_path / "src", load_step=3)).ckpt.load()
+    # rolling back below the newest would mix two histories in one folder: refused, with
+    # the two ways out; once the later ones are moved aside, load_step 2 resumes there
+    with pytest.raises(CheckpointError, match=r"later checkpoints \(step-4\).*step-4.abandoned"):
+        Run(make_cfg(tmp_path / "src", load_step=2)).ckpt.load()
+    assert sorted(p.name for p in (tmp_path / "src/checkpoint").iterdir()) == ["step-2", "step-4"]
+    shutil.copytree(tmp_path / "src/checkpoint", tmp_path / "keep")
+    (tmp_path / "src/checkpoint/step-4").rename(tmp_path / "src/checkpoint/step-4.abandoned")
     at2 = Run(make_cfg(tmp_path / "src", load_step=2))
     at2.ckpt.load()
     assert at2.progress.step == 2 and at2.loader.position == 4
-    with pytest.raises(CheckpointError, match="no complete checkpoint step-3.*2, 4"):
-        Run(make_cfg(tmp_path / "src", load_step=3)).ckpt.load()
+    shutil.rmtree(tmp_path / "src/checkpoint")
+    (tmp_path / "keep").rename(tmp_path / "src/checkpoint")
 
     partial = Run(make_cfg(tmp_path / "src", exclude_from_loading=["dataloader", "optimizer"]))
     partial.ckpt.load()
@@ -335,8 +361,14 @@ def test_save_off_the_interval(tmp_path, mode):
 
 def test_keep_latest_k_never_deletes_the_checkpoint_just_saved(tmp_path):
     Run(make_cfg(tmp_path)).train(6)  # step-2, step-4, step-6
-    older = Run(make_cfg(tmp_path, load_step=2, keep_latest_k=2, interval=3))
+    # a step-2 copy resumed into a folder whose newer checkpoints were left there by hand
+    shutil.copytree(tmp_path / "checkpoint/step-2", tmp_path / "copy/checkpoint/step-2")
+    older = Run(make_cfg(tmp_path / "copy", keep_latest_k=2, interval=3))
     older.ckpt.load()
+    for step in (4, 6):
+        shutil.copytree(
+            tmp_path / f"checkpoint/step-{step}", tmp_path / f"copy/checkpoint/step-{step}"
+        )
     older.train(3)  # saves step-3, older than the two newest
-    names = sorted(p.name for p in (tmp_path / "checkpoint").iterdir())
+    names = sorted(p.name for p in (tmp_path / "copy/checkpoint").iterdir())
     assert names == ["step-3", "step-4", "step-6"]

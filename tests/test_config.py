@@ -27,6 +27,18 @@ def test_every_preset_loads(name):
     assert cfg.model.name == "llama3"
 
 
+def test_llama31_presets_scale_rope_unless_told_otherwise():
+    from models import model_args_for
+
+    for name in ("llama3_8b", "llama3_70b", "llama3_405b"):
+        cfg = parse_args(["--config", name])
+        assert model_args_for(cfg.model, 8192).use_scaled_rope, name  # Meta's 3.1 params.json
+        cfg = parse_args(["--config", name, "--model.rope_scaling", "none"])  # Llama 3.0
+        assert not model_args_for(cfg.model, 8192).use_scaled_rope, name
+    debug = parse_args(["--config", "debug_model", "--model.rope_scaling", "llama3"])
+    assert model_args_for(debug.model, 256).use_scaled_rope
+
+
 def test_overrides_of_every_type():
     cfg = parse_args(
         [

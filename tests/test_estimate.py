@@ -9,12 +9,13 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from dist_utils import TINY_SHAPE
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from config import parse_args
-from models import build_model_args, get_model_spec, shape_overrides
+from models import arg_overrides, build_model_args, get_model_spec
 from parallelisms import estimate as est
 from parallelisms.init_weights import init_weights
 from parallelisms.memory_report import memory_report
@@ -22,8 +23,7 @@ from parallelisms.parallel_dims import ParallelDims
 from training.loss import cross_entropy_sum
 from training.optimizer import build_optimizer
 
-TINY = "--model.dim 64 --model.n_layers 2 --model.n_heads 4 --model.n_kv_heads 2 "
-TINY += "--training.seq_len 32 --training.local_batch_size 2"
+TINY = " ".join(TINY_SHAPE) + " --training.seq_len 32 --training.local_batch_size 2"
 
 
 def _script():
@@ -38,7 +38,7 @@ def _cfg(extra: str = ""):
 
 
 def _args(cfg):
-    return build_model_args("llama3", "debugmodel", 32, None, shape_overrides(cfg.model))
+    return build_model_args("llama3", "debugmodel", 32, None, arg_overrides(cfg.model))
 
 
 @contextlib.contextmanager

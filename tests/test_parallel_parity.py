@@ -82,8 +82,9 @@ def runs(tmp_path_factory):
     # ZeRO-2 shards are FSDP's Shard(0) layout: its step-5 checkpoint resumes under ZeRO-3.
     saver = "zero2_2_accum_ac_sel2"
     saved = base / saver / "checkpoint"
-    resume = {**z(3), LB: 4, "checkpoint__enable": "true", "checkpoint__folder": saved}
-    resume["checkpoint__load_step"] = 5
+    resume = {**z(3), LB: 4, "checkpoint__enable": "true"}
+    resume["checkpoint__initial_load_path"] = saved / "step-5"  # the saver also wrote step-10
+    resume["checkpoint__initial_load_model_only"] = "false"
     todo.append(Run("zero2_to_zero3_resume", base / "resume", 2, _args(**resume), after=saver))
     # Compile runs are the slowest: start them first so they overlap the others.
     todo.sort(key=lambda r: "compile" not in r.name)

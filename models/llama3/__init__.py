@@ -2,7 +2,9 @@
 
 from models.llama3.model import ModelArgs, Transformer
 
-# Published Llama 3 / 3.1 shapes. `vocab_size` is replaced by the tokenizer's when one is loaded.
+# Published Llama 3.1 shapes and RoPE (8B, 70B and 405B all use Llama 3.1's frequency scaling;
+# Llama 3.0 weights need model.rope_scaling = "none"). `vocab_size` is replaced by the
+# tokenizer's when one is loaded.
 llama3_flavors = {
     "debugmodel": ModelArgs(
         dim=256,
@@ -21,6 +23,7 @@ llama3_flavors = {
         ffn_dim_multiplier=1.3,
         multiple_of=1024,
         rope_theta=500000,
+        use_scaled_rope=True,
     ),
     "70B": ModelArgs(
         dim=8192,
@@ -30,6 +33,7 @@ llama3_flavors = {
         ffn_dim_multiplier=1.3,
         multiple_of=4096,
         rope_theta=500000,
+        use_scaled_rope=True,
     ),
     "405B": ModelArgs(
         dim=16384,
