@@ -31,6 +31,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def convert(
     checkpoint: Path, output: Path, dtype: str = "keep", max_shard_bytes: int = 5 * 2**30
 ) -> list[str]:
+    held = sorted(p.name for p in Path(output).glob("*") if p.suffix in (".safetensors", ".json"))
+    if held:  # a second export beside the first would leave stale weight files that load
+        raise CheckpointError(
+            f"{output} already holds {', '.join(held[:4])}{' ...' if len(held) > 4 else ''}: "
+            "export into a new or empty folder (or remove those files first)"
+        )
     path = resolve_load_path(checkpoint)
     args = args_from_layout(path)
     if args is None:

@@ -100,6 +100,9 @@ def test_hf_round_trip_and_logits(tmp_path, scaled_rope, tied, sharded):
     assert original.keys() == back.keys()
     for k in original:
         assert torch.equal(original[k], back[k]), k
+    # a second export into the same folder is refused (stale shards would shadow it)
+    assert load_script("convert_to_hf").main([str(ckpt), str(out)]) == 1
+    assert read_hf_weights(out).keys() == back.keys()
     reloaded = transformers.LlamaForCausalLM.from_pretrained(out).float().eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(tokens).logits, ref, rtol=1e-5, atol=1e-5)
