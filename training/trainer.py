@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 
@@ -395,7 +396,13 @@ def run_training(
         profiler.close()
         snapshot.close()
         if checkpointer is not None:
-            checkpointer.close()
+            if sys.exc_info()[1] is None:
+                checkpointer.close()
+            else:  # keep the original error: a save cut short by it may fail to close too
+                try:
+                    checkpointer.close()
+                except Exception as close_error:  # noqa: BLE001
+                    logger.error("checkpoint: closing after the error also failed: %s", close_error)
         metrics.close()
     logger.info("done: %d steps, %s tokens", state.step, f"{state.tokens_seen:,}")
     return state
