@@ -37,13 +37,16 @@ def param_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 
-def init_weights(model: nn.Module, seed: int) -> None:
+def init_weights(model: nn.Module, seed: int, device: torch.device | str | None = None) -> None:
     """Initialises every parameter of `model` (plain, sharded or a pipeline stage) by the
-    model's own `init_param` rules, identically under every layout."""
+    model's own `init_param` rules, identically under every layout. Values are drawn on
+    `device` (default: where each parameter lives): a CPU-offloaded run draws on its compute
+    device, so it starts from the same weights as the same run without offload."""
     for raw_name, param in model.named_parameters():
         name = canonical_name(raw_name)
         local = param.to_local() if isinstance(param, DTensor) else param
-        gen = torch.Generator(device=local.device).manual_seed(param_seed(seed, name))
-        full = torch.empty(param.shape, dtype=param.dtype, device=local.device)
+        where = local.device if device is None else torch.device(device)
+        gen = torch.Generator(device=where).manual_seed(param_seed(seed, name))
+        full = torch.empty(param.shape, dtype=param.dtype, device=where)
         model.init_param(name, full, gen)
         copy_full_into(param, full)

@@ -149,3 +149,12 @@ def test_forward_context_autocasts_only_when_asked():
         assert (a @ b).dtype == torch.bfloat16
     with forward_context(False, None, "cpu")():
         assert (a @ b).dtype == torch.float32
+
+
+def test_process_group_backend_adds_gloo_for_offloaded_cuda_runs():
+    from training.distributed import process_group_backend
+
+    assert process_group_backend("cpu") == process_group_backend("cpu", True) == "gloo"
+    assert process_group_backend("cuda") == "nccl"
+    # offloaded gradients live on the host: their norm is all-reduced by gloo
+    assert process_group_backend("cuda", True) == "cuda:nccl,cpu:gloo"

@@ -59,12 +59,22 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_process_group(device: torch.device, world_size: int, timeout_s: int) -> None:
-    """NCCL for CUDA, gloo for CPU. A plain `python train.py` gets a one-rank group on an
-    in-memory store, so the mesh, DTensor and DCP code paths are the same for every launch."""
+def process_group_backend(device_type: str, cpu_offload: bool = False) -> str:
+    """NCCL for CUDA, gloo for CPU; CUDA with CPU offload needs both, since the offloaded
+    gradients' norm (clipping) is reduced across ranks on the host."""
+    if device_type != "cuda":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
+
+
+def init_process_group(
+    device: torch.device, world_size: int, timeout_s: int, cpu_offload: bool = False
+) -> None:
+    """`process_group_backend`'s backend. A plain `python train.py` gets a one-rank group on
+    an in-memory store, so the mesh, DTensor and DCP code paths are the same for every launch."""
     if dist.is_initialized():
         return
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = process_group_backend(device.type, cpu_offload)
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     if world_size == 1 and "MASTER_ADDR" not in os.environ:
         kwargs.update(store=dist.HashStore(), rank=0, world_size=1)

@@ -119,7 +119,7 @@ def build_model_parts(cfg, parallel_dims, model_args, device, loss_fn):
     for part in model_parts:
         part.to_empty(device=init_device)
         with torch.no_grad():
-            init_weights(part, cfg.debug.seed)
+            init_weights(part, cfg.debug.seed, device)
         part.init_buffers(device)
         part.train()
     return model_parts, schedule, first, last
@@ -158,7 +158,9 @@ def run_training(
 ) -> TrainState:
     t = cfg.training
     device = pick_device(t.device, local_rank)
-    init_process_group(device, parallel_dims.world_size, cfg.comm.init_timeout_seconds)
+    init_process_group(
+        device, parallel_dims.world_size, cfg.comm.init_timeout_seconds, t.enable_cpu_offload
+    )
     seed_everything(cfg.debug.seed, cfg.debug.deterministic)
     parallel_dims.build_mesh(device.type)
     log_mesh(parallel_dims)
