@@ -182,7 +182,7 @@ def fsdp_working_bytes(part: nn.Module, param_bytes: int, reduce_bytes: int) -> 
     block (also kept) and its own unsharded gradients; in the middle of backward two blocks
     are gathered (the current one and the prefetched next) plus one block's unsharded
     gradients before their reduce-scatter (compute + reduce dtype); at the end of backward the
-    embeddings are gathered again with their gradients."""
+    embeddings' unsharded gradients (their weights are not gathered again)."""
     from torch.distributed.fsdp import FSDPModule
 
     if not isinstance(part, FSDPModule):
@@ -201,7 +201,7 @@ def fsdp_working_bytes(part: nn.Module, param_bytes: int, reduce_bytes: int) -> 
     return max(
         head * with_grads + big * param_bytes,
         2 * big * param_bytes + big * (param_bytes + reduce_bytes),
-        emb * with_grads,
+        emb * (param_bytes + reduce_bytes),
     )
 
 
@@ -456,9 +456,10 @@ def comm_per_step(
     tensor of S bytes sends (n-1)/n S per rank, an all-reduce twice that. Mesh order (outer
     to inner) pp, dp, tp, so TP groups are the closest ranks.
 
-    FSDP follows meshtrain's resharding: per micro-step the final norm + output unit is
-    gathered once, the embeddings and every block twice (forward, backward) except the last
-    block, which stays gathered; gradients are reduce-scattered once per step. Under PP
+    FSDP follows meshtrain's resharding: per micro-step the final norm + output unit and the
+    embeddings (whose backward needs no weights) are gathered once, every block twice
+    (forward, backward) except the last, which stays gathered; gradients are reduce-scattered
+    once per step. Under PP
     parameters stay gathered for the whole step. TP with sequence parallelism: per layer and micro-batch, 2 all-gathers
     + 2 reduce-scatters of a [b, s, h] activation in forward and 4 in backward (+4 for a full
     AC recompute), plus the embedding's reduce-scatter and the output's all-gather."""
@@ -477,7 +478,7 @@ def comm_per_step(
             gathered = (
                 (root + stage_layers * block)
                 if pp > 1
-                else accum * (root + v * h + (2 * stage_layers - 1) * block)
+                else accum * (root + (2 * stage_layers - 1) * block)
             )
             nbytes = frac * (gathered / tp * param_bytes + stage_params * reduce_bytes)
             what = (

@@ -82,7 +82,9 @@ def apply_fsdp(
     default = reshard_after_forward == "default"
     always = reshard_after_forward == "always"
     # The token embeddings are used first in forward and last in backward: their own unit,
-    # freed after forward, so a large vocabulary is not held gathered through the whole step.
+    # freed after forward, so a large vocabulary is not held gathered through the whole step;
+    # and never gathered again: an embedding's backward needs the indices and the output
+    # gradient, not the weight (FSDP reduce-scatters its gradient at the end of backward).
     if getattr(model, "tok_embeddings", None) is not None:
         # nn.Embedding returns a view of its gather; FSDP2 warns that an in-place op on it
         # would skip the pre-backward all-gather. The blocks only add to it out of place (the
@@ -95,6 +97,7 @@ def apply_fsdp(
             reshard_after_forward=always or (default and not pp_enabled),
             **kwargs,
         )
+        model.tok_embeddings.set_unshard_in_backward(False)
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         reshard = always or (default and not pp_enabled and i < len(blocks) - 1)

@@ -159,9 +159,9 @@ def _two_rank_checks(rank: int, world: int) -> None:
             torch.distributed.all_gather(others, full)
             assert all(torch.equal(o, full) for o in others)
 
-    # FSDP2 units: the embeddings are gathered only around their own forward and backward, the
-    # final norm + output stay gathered from their forward into their backward, and the
-    # gradients equal one process's.
+    # FSDP2 units: the embeddings are gathered only around their own forward (their backward
+    # needs no weights), the final norm + output stay gathered from their forward into their
+    # backward, and the gradients equal one process's.
     from parallelisms.fsdp import apply_fsdp
 
     f32 = torch.float32
@@ -174,12 +174,18 @@ def _two_rank_checks(rank: int, world: int) -> None:
     model.layers["1"].register_forward_hook(
         lambda *_: seen.update(emb=gathered(model.tok_embeddings), head=gathered(model.output))
     )
+
+    def watch_embedding_backward(module, inputs, out) -> None:  # when its backward starts
+        out.register_hook(lambda grad: seen.update(emb_backward=gathered(module)))
+
+    model.tok_embeddings.register_forward_hook(watch_embedding_backward)
     x, y = batch(4, seed=0)
     loss = cross_entropy_sum(model(x), y)
     assert seen == {"emb": False, "head": False}, seen  # during the blocks' forward
     assert not gathered(model.tok_embeddings) and gathered(model.output)
     assert gathered(model.norm) and gathered(model.layers["1"]) and not gathered(model.layers["0"])
     loss.backward()
+    assert seen["emb_backward"] is False, seen
     assert not any(
         gathered(m) for m in (model.tok_embeddings, model.output, *model.layers.values())
     )
