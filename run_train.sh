@@ -14,5 +14,6 @@ if [ -z "${NGPU:-}" ]; then
   [ "$NGPU" -gt 0 ] || NGPU=2
 fi
 LOG_RANK="${LOG_RANK:-0}"
+[ "$LOG_RANK" = 0 ] || export LOG_ALL_RANKS=1  # ranks other than 0 log to the console too
 exec torchrun --standalone --nproc_per_node "$NGPU" --local-ranks-filter "$LOG_RANK" \
   train.py --config "$CONFIG" "$@"
