@@ -25,6 +25,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from checkpoint.state import (
     COMPONENTS,
+    DTYPES,
     apply_state,
     build_state,
     check_fits,
@@ -48,7 +49,6 @@ from checkpoint.storage import (
 
 logger = logging.getLogger("meshtrain")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Test hook: "STEP:SECONDS" makes every rank sleep inside the save of checkpoint STEP, after
 # writing its shards and before DCP's metadata and the commit (a deterministic kill window).
 DELAY_ENV = "MESHTRAIN_TEST_CKPT_SAVE_DELAY"

@@ -50,12 +50,10 @@ def create_seed_checkpoint(cfg, world_size: int) -> Path:
             f"{folder} already holds checkpoints ({', '.join(p.name for _, p in existing)}); "
             "a seed checkpoint goes into an empty folder and never replaces saved ones."
         )
-    from data.sample_corpus import default_cache_dir, ensure_sample_tokenizer
     from data.tokenizer import build_tokenizer
 
     t0 = time.perf_counter()
-    tok_path = cfg.model.tokenizer_path or ensure_sample_tokenizer(default_cache_dir())
-    model = build_full_model(cfg, build_tokenizer(tok_path).vocab_size)
+    model = build_full_model(cfg, build_tokenizer(cfg.model.tokenizer_path).vocab_size)
     final = step_dir(folder, 0)
     tmp = prepare_tmp(final)
     with single_process():

@@ -205,6 +205,9 @@ def _of_param(key: str, fqns: set[str]) -> bool:
     return key.startswith("optimizer.") and any(f".{f}." in key for f in fqns)
 
 
+# Dtype names of exports and conversions (checkpoint.export_dtype, the convert scripts' --dtype)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 # Model arguments that change what the weights compute without changing any tensor's shape
 # (shape differences are check_fits' job); a changed max_seq_len is a legitimate choice.
 FUNCTION_ARGS = ("rope_theta", "use_scaled_rope", "norm_eps")

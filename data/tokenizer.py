@@ -176,8 +176,13 @@ class SentencePieceTokenizer(Tokenizer):
 def build_tokenizer(path: str) -> Tokenizer:
     """Load a tokenizer file, detecting tiktoken-BPE text vs sentencepiece protobuf by content.
 
-    A folder holding a `tokenizer.model` (as in a Llama 3 download) is accepted too.
+    A folder holding a `tokenizer.model` (as in a Llama 3 download) is accepted too; '' is the
+    bundled sample tokenizer (model.tokenizer_path's default), built on first use.
     """
+    if not path:
+        from data.sample_corpus import default_cache_dir, ensure_sample_tokenizer
+
+        path = ensure_sample_tokenizer(default_cache_dir())
     file = Path(path)
     if file.is_dir() and (file / "tokenizer.model").is_file():
         file = file / "tokenizer.model"

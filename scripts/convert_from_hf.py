@@ -11,8 +11,6 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from checkpoint.hf import (  # noqa: E402
@@ -25,9 +23,9 @@ from checkpoint.hf import (  # noqa: E402
     total_bytes,
     write_dcp_model,
 )
+from checkpoint.state import DTYPES  # noqa: E402
 from checkpoint.storage import CheckpointError  # noqa: E402
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "kv_heads", "ffn_hidden_dim")
 
 

@@ -10,8 +10,6 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from checkpoint.hf import (  # noqa: E402
@@ -23,9 +21,8 @@ from checkpoint.hf import (  # noqa: E402
     total_bytes,
     write_hf_weights,
 )
+from checkpoint.state import DTYPES  # noqa: E402
 from checkpoint.storage import CheckpointError, resolve_load_path  # noqa: E402
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def convert(

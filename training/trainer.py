@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from config import JobConfig
 from data.dataloader import build_dataloader
-from data.sample_corpus import default_cache_dir, ensure_sample_tokenizer
+from data.sample_corpus import default_cache_dir
 from data.tokenizer import build_tokenizer
 from metrics import MetricsLogger, count_params, device_peak_flops, flops_per_token, throughput
 from metrics.memory import peak_memory_gib, process_rss_gib, reset_peak_memory
@@ -96,8 +96,7 @@ class TrainState:
 
 
 def load_tokenizer(cfg: JobConfig):
-    path = cfg.model.tokenizer_path or ensure_sample_tokenizer(default_cache_dir())
-    return build_tokenizer(path)
+    return build_tokenizer(cfg.model.tokenizer_path)
 
 
 def build_model_parts(cfg, parallel_dims, model_args, device, loss_fn):
