@@ -50,6 +50,7 @@ HELD = re.compile(
     r"held per rank: params ([\d.]+) MiB, grads ([\d.]+) MiB, optimizer state ([\d.]+)"
 )
 PP_SCHEDULES = ["1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble"]
+PP_SCHEDULES += ["ZBVZeroBubble", "DualPipeV"]  # V schedules: on CPU, torch >= 2.13
 
 
 @dataclass
