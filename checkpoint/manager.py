@@ -301,13 +301,15 @@ class CheckpointManager:
 
     # ----------------------------------------------------------------------------- saving
     def due(self, step: int) -> bool:
-        """Whether `maybe_save(step, ...)` will write a checkpoint at this step."""
+        """Whether `maybe_save(step)` writes a checkpoint at this step: every interval and at
+        the run's last step."""
         return step % self.ckpt.interval == 0 or step == self.cfg.training.steps
 
-    def maybe_save(self, step: int, last_step: bool = False) -> None:
+    def maybe_save(self, step: int) -> None:
         self._poll()
-        if not (step % self.ckpt.interval == 0 or last_step):
+        if not self.due(step):
             return
+        last_step = step == self.cfg.training.steps
         self._save(
             step, kind="full", components=COMPONENTS, use_async=self.async_mode != "disabled"
         )

@@ -126,9 +126,7 @@ class Run:
             self.progress.tokens_seen += 32
             losses.append(loss.item())
             if save:
-                self.ckpt.maybe_save(
-                    self.progress.step, last_step=self.progress.step == self.cfg.training.steps
-                )
+                self.ckpt.maybe_save(self.progress.step)
         return losses
 
 

@@ -44,6 +44,17 @@ def _pp_step_kwargs(schedule) -> dict:
     return {"return_outputs": False} if accepts else {}
 
 
+def pipeline_call(setup: StepSetup, inputs: torch.Tensor, labels: torch.Tensor):
+    """(args, target, losses) of a pipeline schedule call on this rank: the first stage feeds
+    the inputs, the last takes the labels and collects one loss per microbatch."""
+    last = setup.pp_last_stage
+    return (
+        ((inputs,) if setup.pp_first_stage else ()),
+        (labels if last else None),
+        ([] if last else None),
+    )
+
+
 def train_step(setup: StepSetup, microbatches: list[tuple[torch.Tensor, torch.Tensor]]):
     """Forward and backward over every micro-step; returns this rank's mean loss (a tensor,
     zero on pipeline stages that do not compute the loss). No host sync happens here."""
@@ -56,9 +67,7 @@ def train_step(setup: StepSetup, microbatches: list[tuple[torch.Tensor, torch.Te
                 loss.backward()
                 total += loss.detach()
             else:
-                losses = [] if setup.pp_last_stage else None
-                target = labels if setup.pp_last_stage else None
-                args = (inputs,) if setup.pp_first_stage else ()
+                args, target, losses = pipeline_call(setup, inputs, labels)
                 setup.pp_schedule.step(
                     *args, target=target, losses=losses, **_pp_step_kwargs(setup.pp_schedule)
                 )

@@ -377,7 +377,7 @@ def run_training(
                         f"non-finite loss or gradient norm at step {bad_step}; "
                         "not saving a checkpoint."
                     )
-                checkpointer.maybe_save(state.step, last_step=state.step == t.steps)
+                checkpointer.maybe_save(state.step)
             if log_now and stop.agreed(device):
                 logger.info("stopping at step %d on request", state.step)
                 _save_on_stop(checkpointer, state.step)

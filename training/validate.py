@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from training.loss import cross_entropy_sum
+from training.step import pipeline_call
 
 
 @torch.no_grad()
@@ -25,9 +26,7 @@ def evaluate(setup, loader, steps: int, device: torch.device) -> float:
             if setup.pp_schedule is None:
                 total[0] += cross_entropy_sum(setup.model_parts[0](inputs), labels).double()
             else:
-                losses = [] if setup.pp_last_stage else None
-                target = labels if setup.pp_last_stage else None
-                args = (inputs,) if setup.pp_first_stage else ()
+                args, target, losses = pipeline_call(setup, inputs, labels)
                 setup.pp_schedule.eval(*args, target=target, losses=losses)
                 if setup.pp_last_stage:
                     # The schedule's loss is scaled by the tokens of one training step.
