@@ -74,7 +74,6 @@ def check_config(cfg: JobConfig, world_size: int) -> ParallelDims:
             f"data_parallel_shard_degree > 1 (got zero_stage {dims.zero_stage}, "
             f"data_parallel_shard_degree {dims.dp_shard})."
         )
-    check_data_files(cfg)
     check_tp(args.n_heads, args.kv_heads, t.seq_len, dims.tp)
     validate_pipeline_config(
         p,
@@ -87,7 +86,7 @@ def check_config(cfg: JobConfig, world_size: int) -> ParallelDims:
 
 
 def check_data_files(cfg: JobConfig) -> None:
-    """Local dataset paths must match files now, not after the model is built."""
+    """Local dataset paths must match files before the model is built."""
     from data.sources import FILE_EXTENSIONS, resolve_files
 
     t, v = cfg.training, cfg.validation
@@ -182,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             create_seed_checkpoint(cfg, world_size)
             return 0
         parallel_dims = check_config(cfg, world_size)
+        check_data_files(cfg)  # here, not in check_config: dry runs plan without the data
         pick_device(cfg.training.device, local_rank)  # no GPU, or more ranks than GPUs
     except (ConfigError, ParallelismError, LaunchError, CheckpointError) as e:
         print(f"meshtrain: error: {e}", file=sys.stderr)

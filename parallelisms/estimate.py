@@ -459,10 +459,10 @@ def comm_per_step(
     FSDP follows meshtrain's resharding: per micro-step the final norm + output unit and the
     embeddings (whose backward needs no weights) are gathered once, every block twice
     (forward, backward) except the last, which stays gathered; gradients are reduce-scattered
-    once per step. Under PP
-    parameters stay gathered for the whole step. TP with sequence parallelism: per layer and micro-batch, 2 all-gathers
-    + 2 reduce-scatters of a [b, s, h] activation in forward and 4 in backward (+4 for a full
-    AC recompute), plus the embedding's reduce-scatter and the output's all-gather."""
+    once per step. Under PP parameters stay gathered for the whole step. TP with sequence
+    parallelism: per layer and micro-batch, 2 all-gathers + 2 reduce-scatters of a [b, s, h]
+    activation in forward and 4 in backward (+4 for a full AC recompute), plus the
+    embedding's reduce-scatter and the output's all-gather."""
     out = []
     tp, pp, dp = layout.tp, layout.pp, layout.dp
     s, h, v, n_layers = seq_len, model_args.dim, model_args.vocab_size, model_args.n_layers
