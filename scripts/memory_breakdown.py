@@ -49,11 +49,15 @@ def breakdown(cfg, world_size: int, local_rank: int) -> dict:
 
     from models import model_args_for
     from train import check_config
-    from training.distributed import init_process_group, pick_device, seed_everything
     from training.loss import cross_entropy_sum
     from training.optimizer import build_optimizer
     from training.step import StepSetup, clip_grad_norm_, train_step
-    from training.trainer import build_model_parts, layout_forward_context, load_tokenizer
+    from training.trainer import (
+        build_model_parts,
+        layout_forward_context,
+        load_tokenizer,
+        start_runtime,
+    )
 
     dims = check_config(cfg, world_size)
     t = cfg.training
@@ -63,10 +67,7 @@ def breakdown(cfg, world_size: int, local_rank: int) -> dict:
         raise SystemExit("memory_breakdown: gradient accumulation is not supported")
     if cfg.compile.enable:
         raise SystemExit("memory_breakdown: compiled kernels are not tracked; drop --compile")
-    device = pick_device(t.device, local_rank)
-    init_process_group(device, world_size, cfg.comm.init_timeout_seconds)
-    seed_everything(cfg.debug.seed, cfg.debug.deterministic)
-    dims.build_mesh(device.type)
+    device = start_runtime(cfg, dims, local_rank)
     model_args = model_args_for(cfg.model, t.seq_len, load_tokenizer(cfg).vocab_size)
     tokens = t.local_batch_size * t.seq_len
 

@@ -152,9 +152,9 @@ def layout_forward_context(cfg: JobConfig, parallel_dims: ParallelDims, device_t
     )
 
 
-def run_training(
-    cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, local_rank: int, stop
-) -> TrainState:
+def start_runtime(cfg: JobConfig, parallel_dims: ParallelDims, local_rank: int) -> torch.device:
+    """This rank's device, the process group (with gloo beside NCCL for CPU offload), the
+    seeds and the device mesh: what every entry point that builds a layout starts with."""
     t = cfg.training
     device = pick_device(t.device, local_rank)
     init_process_group(
@@ -162,6 +162,14 @@ def run_training(
     )
     seed_everything(cfg.debug.seed, cfg.debug.deterministic)
     parallel_dims.build_mesh(device.type)
+    return device
+
+
+def run_training(
+    cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, local_rank: int, stop
+) -> TrainState:
+    t = cfg.training
+    device = start_runtime(cfg, parallel_dims, local_rank)
     log_mesh(parallel_dims)
     dp_rank, dp_degree = parallel_dims.coordinate("dp")
 
