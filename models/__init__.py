@@ -57,9 +57,8 @@ def arg_overrides(model_cfg) -> dict[str, int | bool]:
     """The `[model]` overrides that are set (shapes non-zero, rope_scaling not 'flavor'), for
     `build_model_args`."""
     out = {k: getattr(model_cfg, k) for k in SHAPE_OVERRIDES if getattr(model_cfg, k, 0)}
-    rope = getattr(model_cfg, "rope_scaling", "flavor")
-    if rope != "flavor":
-        out["use_scaled_rope"] = rope == "llama3"
+    if model_cfg.rope_scaling != "flavor":
+        out["use_scaled_rope"] = model_cfg.rope_scaling == "llama3"
     return out
 
 
