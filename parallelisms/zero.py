@@ -265,6 +265,9 @@ class ZeroState:
         copied = local.dtype != self.reduce_dtype
         if copied:
             local = local.to(self.reduce_dtype)
+            # the reduction works on the cast copy: free the compute-dtype gradient now, not
+            # at the end of backward (bf16 compute: 2 bytes per parameter less at the peak)
+            p.compute.grad = None
         work = dist.all_reduce(local, group=self.group, async_op=True)
         p.pending = (work, local, None, copied)
         self.in_flight.append(p)

@@ -159,6 +159,39 @@ def _two_rank_checks(rank: int, world: int) -> None:
             torch.distributed.all_gather(others, full)
             assert all(torch.equal(o, full) for o in others)
 
+    # Mixed precision (bf16 compute, fp32 reduction): every stage's fp32 master gradient is
+    # the average of the ranks' bf16 gradients, and each bf16 gradient is freed as soon as its
+    # fp32 copy exists (not at the end of backward): when the embedding's gradient, the last
+    # of backward, arrives, no other bf16 gradient is alive.
+    bf16 = torch.bfloat16
+    x, y = batch(4, seed=rank)
+    low = tiny_model(args)
+    for q in low.parameters():  # parameters only, as the compute copies (buffers stay fp32)
+        q.data = q.data.to(bf16)
+    cross_entropy_sum(low(x), y).backward()
+    want = {}
+    for name, q in low.named_parameters():
+        g = q.grad.float()
+        torch.distributed.all_reduce(g)
+        want[name] = g / world
+    for stage in (0, 1, 2):
+        model = tiny_model(args, lambda m, s=stage: apply_zero(m, mesh, s, param_dtype=bf16))
+        with torch.no_grad():
+            model(x)  # installs the gradient hooks on the compute parameters
+        zs = model._zero.params
+        emb = next(p for p in zs if p.module is model.tok_embeddings)
+        alive = []
+        others = [p for p in zs if p is not emb]
+        emb.compute.register_post_accumulate_grad_hook(
+            lambda _, o=others, a=alive: a.append([p.name for p in o if p.compute.grad is not None])
+        )
+        cross_entropy_sum(model(x), y).backward()
+        assert alive == [[]], (stage, alive)
+        for name, p in model.named_parameters():
+            assert p.dtype == torch.float32 and p.grad.dtype == torch.float32, name
+            got = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            torch.testing.assert_close(got, want[name], rtol=0, atol=0, msg=f"{stage} {name}")
+
     # FSDP2 units: the embeddings are gathered only around their own forward (their backward
     # needs no weights), the final norm + output stay gathered from their forward into their
     # backward, and the gradients equal one process's.
