@@ -168,3 +168,26 @@ def test_sigterm_stops_cleanly_at_a_step_boundary(tmp_path):
         log = (dump / f"logs/rank_{rank}.log").read_text()
         assert "stopping at step" in log, log[-2000:]
         assert "done:" in log
+
+
+def test_failed_checkpoint_close_does_not_hide_the_training_error(tmp_path):
+    # The run fails at step 3 (after step 2's checkpoint); closing the checkpointer then
+    # fails too (patched here): the error the user sees must be the training one.
+    dump = tmp_path / "fail"
+    boot = (
+        "import sys, train, checkpoint.manager as m\n"
+        "def close(self): raise OSError('close failed: disk gone')\n"
+        "m.CheckpointManager.close = close\n"
+        "sys.exit(train.main(sys.argv[1:]))\n"
+    )
+    cmd = [sys.executable, "-c", boot, *TINY, "--job.dump_folder", str(dump)]
+    cmd += ["--training.steps", "4", "--validation.enable", "false", "--debug.fail_at_step", "3"]
+    cmd += ["--checkpoint.enable", "true", "--checkpoint.interval", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+    text = out.stdout + out.stderr
+    assert "failed at step 3" in text and "debug.fail_at_step = 3: injected failure" in text
+    assert "closing after the error also failed: close failed: disk gone" in text
+    assert "OSError: close failed" not in text  # no traceback ending in the close error
+    assert [r["step"] for r in records(dump)] == [1, 2]
