@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The CPU benchmark set behind README's Performance section (about 20 minutes on 2 cores).
-#   benchmarks/run_cpu.sh [part ...]     parts: debug m50 dp dp4 memory breakdown memory_bf16 layouts
-#                                        (default: all)
+# The CPU benchmark set behind README's Performance section (about an hour on 2 cores).
+#   benchmarks/run_cpu.sh [part ...]
+# parts (default: all): debug m50 m50_bf16 dp dp4 memory breakdown memory_bf16 layouts
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -22,6 +22,7 @@ BIG=(--model.dim 512 --model.n_layers 32 --model.n_heads 8 --model.n_kv_heads 8
      --training.seq_len 64 --training.local_batch_size 1)
 BF16=(--training.mixed_precision_param bfloat16)
 SINGLE=bare,single_eager,single_foreach_adamw,single_compiled
+SINGLE_BF16=bare,single_eager,single_compiled
 
 # glibc keeps freed heap pages it cannot trim (fragmentation); tensors of 128 KiB and more
 # mmapped straight from the OS are returned on free, so the RSS tracks what each layout
@@ -50,13 +51,18 @@ breakdown() {  # output folder, precision words, extra overrides
     done; } > "$out.tmp" && mv "$out.tmp" "$out" && cat "$out"
 }
 
-for part in "${@:-debug m50 dp dp4 memory breakdown memory_bf16 layouts}"; do
+for part in "${@:-debug m50 m50_bf16 dp dp4 memory breakdown memory_bf16 layouts}"; do
   for p in $part; do
     case $p in
       debug) "$PY" scripts/bench.py --rows $SINGLE --repeats 8 --steps 10 --warmup 4 \
                --output benchmarks/cpu_debug_single --title "Single process, debug model" ;;
       m50) "$PY" scripts/bench.py --rows $SINGLE --repeats 6 --steps 10 --warmup 4 "${M50[@]}" \
                --output benchmarks/cpu_m50_single --title "Single process, ~50M model" ;;
+      # bf16 compute (this CPU has avx512_bf16: its bf16 matmuls run about 2x its fp32 ones);
+      # the bare loop runs under torch.autocast, MFU is against the measured bf16 matmul rate
+      m50_bf16) "$PY" scripts/bench.py --rows $SINGLE_BF16 --repeats 4 --steps 10 --warmup 4 \
+               "${M50[@]}" "${BF16[@]}" --output benchmarks/cpu_m50_single_bf16 \
+               --title "Single process, ~50M model, bf16 compute" ;;
       dp) "$PY" scripts/bench.py --rows ddp_2,zero1_2,zero2_2,zero3_2 --baseline ddp_2 \
                --estimate --repeats 4 --steps 7 --warmup 3 "${M50[@]}" \
                --output benchmarks/cpu_m50_dp2 --title "DDP vs ZeRO-1/2/3, 2 ranks, ~50M model" ;;
@@ -67,7 +73,6 @@ for part in "${@:-debug m50 dp dp4 memory breakdown memory_bf16 layouts}"; do
       memory) memory benchmarks/cpu_memory_4 "fp32" ;;
       breakdown) breakdown benchmarks/cpu_memory_4 "fp32" ;;
       # the GPU default precision: bf16 compute weights, fp32 master weights and reduction
-      # (bf16 matmuls are slow on this CPU, but this shape has few FLOPs)
       memory_bf16) memory benchmarks/cpu_memory_4_bf16 "bf16 compute, fp32 reduction" "${BF16[@]}"
                    breakdown benchmarks/cpu_memory_4_bf16 "bf16 compute, fp32 reduction" "${BF16[@]}" ;;
       layouts) "$PY" scripts/bench.py --rows bare,single_eager,single_ac_full,single_ac_selective,ddp_2,zero3_2,zero3_offload_2,tp_2,pp_2_1F1B,pp_2_GPipe,pp_2_Interleaved1F1B,pp_2_LoopedBFS,pp_2_InterleavedZeroBubble,pp_2_ZBVZeroBubble,pp_2_DualPipeV \

@@ -189,6 +189,20 @@ def cpu_model_name() -> str:
     return platform.processor() or platform.machine() or "unknown-cpu"
 
 
+def cpu_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
+    """The CPU's bf16 matmul instructions from /proc/cpuinfo (x86 ``avx512_bf16``,
+    ``amx_bf16``; Arm ``bf16``); empty where it has none or the file is unreadable."""
+    try:
+        with open(cpuinfo, encoding="utf-8") as f:
+            for line in f:
+                if line.lower().startswith(("flags", "features")):
+                    flags = line.split(":", 1)[1].split()
+                    return [x for x in ("avx512_bf16", "amx_bf16", "bf16") if x in flags]
+    except OSError:
+        pass
+    return []
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

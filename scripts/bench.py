@@ -12,7 +12,8 @@ reports the median over its repeats and the spread (min-max of the repeats' toke
 Columns: tokens/s per device (global tokens / world size / step time, as train.py logs it),
 step time, achieved TFLOP/s of the whole machine (6N + 12·L·H·Dh·S FLOPs per token, causal
 attention at full cost, metrics/flops.py), MFU against a peak measured here in the same
-invocation (a dense fp32 matmul on all cores on CPU; the datasheet peak on GPUs), peak memory
+invocation (a dense matmul in the runs' compute dtype on all cores on CPU, plus the bf16 rate
+where the CPU has bf16 instructions; the datasheet peak on GPUs), peak memory
 per rank (the largest rank's peak RSS on CPU, from the kernel's rusage of the process tree;
 CUDA max allocated on GPUs, from the trainer's log), on CPU that peak less the RSS the rank
 had before its model was built (interpreter, libraries, process groups: what no layout can
@@ -21,7 +22,9 @@ held per rank (memory_report after step 1), and the ratio to the baseline row.
 
 Row `bare` is a plain PyTorch loop over the same model class: model, AdamW (foreach), fp32
 cross-entropy, backward, grad-norm clip, step, zero_grad, `loss.item()` each step (as
-train.py does at log_freq 1) — no meshtrain code between the batch and the next batch.
+train.py does at log_freq 1) — no meshtrain code between the batch and the next batch;
+with a bf16 compute dtype (`--training.mixed_precision_param bfloat16`) its forward runs
+under `torch.autocast`, plain PyTorch's mixed precision.
 Threads: single-process rows use all cores; an N-rank row gives each rank cores/N.
 Results go to <output>/bench.json and <output>/bench.md with machine, torch, command, date.
 """
@@ -168,31 +171,52 @@ def machine() -> dict:
     return info
 
 
-def measure_peak(cores: int, sizes: tuple[int, ...] = (1024, 2048)) -> tuple[float, str]:
-    """Machine peak in FLOP/s: on CPU the best fp32 square-matmul rate on all cores (sizes
-    1024-2048, a few seconds); on CUDA the datasheet bf16 peak, with a measured 8192 bf16
-    matmul rate beside it in the description."""
+def compute_dtype(overrides: list[str]):
+    """The matmul dtype train.py will compute in with these overrides on this machine."""
     import torch
 
-    from metrics.peak_flops import lookup_gpu_peak, measure_matmul_flops
+    from config import parse_args
+    from parallelisms.fsdp import mixed_precision_dtypes
 
+    cfg = parse_args(overrides)
+    device = "cuda" if torch.cuda.is_available() and cfg.training.device != "cpu" else "cpu"
+    return mixed_precision_dtypes(cfg.training, device)[0]
+
+
+def measure_peak(cores: int, sizes: tuple[int, ...], dtype) -> tuple[float, str]:
+    """Machine peak in FLOP/s for matmuls in `dtype` (the runs' compute dtype): on CPU the
+    best square-matmul rate on all cores (sizes 1024-2048, a few seconds) — where the CPU has
+    bf16 instructions and the runs compute in fp32, the bf16 rate is measured too and shown
+    beside it; on CUDA the datasheet peak, with a measured 8192 matmul rate beside it."""
+    import torch
+
+    from metrics.peak_flops import cpu_bf16_flags, lookup_gpu_peak, measure_matmul_flops
+
+    name_of = {torch.float32: "fp32", torch.bfloat16: "bf16"}
     if torch.cuda.is_available():
         name, count = torch.cuda.get_device_name(0), torch.cuda.device_count()
         dev = torch.device("cuda", 0)
-        rate = measure_matmul_flops(dev, torch.bfloat16, 8192, iters=10, time_budget_s=2.0)
+        rate = measure_matmul_flops(dev, dtype, 8192, iters=10, time_budget_s=2.0)
         torch.cuda.empty_cache()  # the runs are child processes: leave them the memory
-        measured = f"measured bf16 8192 matmul {rate / 1e12:.0f} TFLOP/s per GPU"
-        peak = lookup_gpu_peak(name, torch.bfloat16)
+        measured = f"measured {name_of[dtype]} 8192 matmul {rate / 1e12:.0f} TFLOP/s per GPU"
+        peak = lookup_gpu_peak(name, dtype)
         if peak is None:  # no datasheet entry: the measured rate is the best peak there is
             return rate * count, f"{measured} ({name} has no datasheet entry) x {count}"
-        return peak * count, f"datasheet bf16 {peak / 1e12:.0f} TFLOP/s x {count}; {measured}"
+        label = f"datasheet {name_of[dtype]} {peak / 1e12:.0f} TFLOP/s x {count}"
+        return peak * count, f"{label}; {measured}"
     torch.set_num_threads(cores)
-    best, best_size = 0.0, 0
-    for size in sizes:
-        flops = measure_matmul_flops(torch.device("cpu"), torch.float32, size, iters=5)
-        if flops > best:
-            best, best_size = flops, size
-    return best, f"measured fp32 {best_size}x{best_size} matmul, {cores} threads"
+
+    def best_rate(dt) -> tuple[float, int]:
+        rates = [(measure_matmul_flops(torch.device("cpu"), dt, n, iters=5), n) for n in sizes]
+        return max(rates)
+
+    best, best_size = best_rate(dtype)
+    text = f"measured {name_of[dtype]} {best_size}x{best_size} matmul, {cores} threads"
+    flags = cpu_bf16_flags()
+    if flags and dtype == torch.float32:
+        bf16, bf16_size = best_rate(torch.bfloat16)
+        text += f"; bf16 ({', '.join(flags)}) {bf16 / 1e12:.3f} TFLOP/s at {bf16_size}"
+    return best, text
 
 
 def flops_per_token(overrides: list[str]) -> tuple[float, int]:
@@ -354,6 +378,7 @@ def bare_worker(argv: list[str]) -> int:
         model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
         weight_decay=o.weight_decay, foreach=True,
     )  # fmt: skip
+    dtype = compute_dtype(argv)  # bf16 compute: plain PyTorch's way is autocast
     b, s = t.local_batch_size, t.seq_len
     data = torch.randint(0, args.vocab_size, (t.steps, b, s + 1))
     params = list(model.parameters())
@@ -362,7 +387,8 @@ def bare_worker(argv: list[str]) -> int:
             t0 = time.perf_counter()
             batch = data[step]
             inputs, labels = batch[:, :-1], batch[:, 1:]
-            logits = model(inputs)
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+                logits = model(inputs)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, t.max_norm, foreach=True)
@@ -413,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     info = machine()
     fpt, n_params = flops_per_token(["--config", ns.config, *extra])
     sizes = tuple(int(x) for x in ns.peak_sizes.split(","))
-    peak, peak_src = measure_peak(cores, sizes)
+    dtype = compute_dtype(["--config", ns.config, *extra])
+    peak, peak_src = measure_peak(cores, sizes, dtype)
     print(f"{info['cpu']}, {cores} cores, torch {info['torch']}; peak {peak / 1e12:.3f} "
           f"TFLOP/s ({peak_src}); model {n_params:,} params, {fpt / 1e9:.3f} GFLOP/token",
           flush=True)  # fmt: skip
@@ -428,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  repeat {rep} {row.name:22} {res['tok_s_dev']:>10,.0f} tok/s/dev  "
                   f"step {res['step_s']:.3f}s  load {load:.1f}  ({res['wall_s']:.0f}s)",
                   flush=True)  # fmt: skip
-        peaks_after.append(measure_peak(cores, sizes)[0])
+        peaks_after.append(measure_peak(cores, sizes, dtype)[0])
     est = {r.name: estimated_mib(r, ns, extra) if ns.estimate else None for r in rows}
     peak_after = max(peaks_after)
     payload = {

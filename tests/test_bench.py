@@ -8,6 +8,8 @@ from pathlib import Path
 
 from dist_utils import TINY_SHAPE
 
+from metrics.peak_flops import cpu_bf16_flags
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = [*TINY_SHAPE, "--training.seq_len", "32", "--training.local_batch_size", "2"]
 
@@ -23,6 +25,9 @@ def test_bench_smoke(tmp_path):
     rows = {r["row"]: r for r in data["rows"]}
     assert list(rows) == ["bare", "single_eager", "zero3_2"]
     assert data["peak_flops"] > 0 and data["flops_per_token"] > 0
+    # fp32 runs: MFU against the fp32 matmul rate; the bf16 rate beside it where the CPU has it
+    assert data["peak_source"].startswith("measured fp32 256x256 matmul")
+    assert ("; bf16 (" in data["peak_source"]) == bool(cpu_bf16_flags())
     for r in rows.values():
         assert r["tok_s_dev"] > 0 and r["step_s"] > 0 and r["peak_mem_gib"] > 0
         assert r["mfu_pct"] > 0
@@ -36,3 +41,16 @@ def test_bench_smoke(tmp_path):
     md = (tmp_path / "bench.md").read_text()
     assert "vs bare" in md and "command:" in md and "machine:" in md
     assert all(f"| {name} |" in md for name in rows)
+
+
+def test_bench_bf16_compute_measures_a_bf16_peak(tmp_path):
+    # bf16 compute: MFU is against a bf16 matmul rate, and the bare loop runs under autocast
+    cmd = [sys.executable, "scripts/bench.py", "--rows", "bare,single_eager"]
+    cmd += ["--steps", "2", "--warmup", "1", "--repeats", "1", "--peak-sizes", "256"]
+    cmd += ["--output", str(tmp_path), *TINY, "--training.mixed_precision_param", "bfloat16"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    data = json.loads((tmp_path / "bench.json").read_text())
+    cores = data["machine"]["cores"]
+    assert data["peak_source"] == f"measured bf16 256x256 matmul, {cores} threads"
+    assert all(r["mfu_pct"] > 0 and 0 < r["loss"] < 20 for r in data["rows"])

@@ -310,3 +310,19 @@ def test_metrics_logger_disabled_on_other_ranks(tmp_path) -> None:
     with MetricsLogger(str(dump), rank=0, enabled=False) as metrics:
         metrics.log(1, {"loss": 1.0})
     assert not dump.exists()
+
+
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        ("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 avx512_vnni\n", ["avx512_bf16"]),
+        ("flags\t\t: fpu amx_bf16 amx_tile avx512_bf16\n", ["avx512_bf16", "amx_bf16"]),
+        ("Features\t: fp asimd bf16 i8mm\n", ["bf16"]),
+        ("flags\t\t: fpu avx2 avx512f\n", []),
+    ],
+)
+def test_cpu_bf16_flags_read_from_cpuinfo(tmp_path, text, want):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(text)
+    assert peak_flops_module.cpu_bf16_flags(str(cpuinfo)) == want
+    assert peak_flops_module.cpu_bf16_flags(str(tmp_path / "missing")) == []
