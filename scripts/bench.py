@@ -184,26 +184,26 @@ def compute_dtype(overrides: list[str]):
 
 
 def measure_peak(cores: int, sizes: tuple[int, ...], dtype) -> tuple[float, str]:
-    """Machine peak in FLOP/s for matmuls in `dtype` (the runs' compute dtype): on CPU the
+    """Peak FLOP/s for matmuls in `dtype` (the runs' compute dtype): on CPU the machine's, the
     best square-matmul rate on all cores (sizes 1024-2048, a few seconds) — where the CPU has
     bf16 instructions and the runs compute in fp32, the bf16 rate is measured too and shown
-    beside it; on CUDA the datasheet peak, with a measured 8192 matmul rate beside it."""
+    beside it; on CUDA one GPU's datasheet peak, with a measured 8192 matmul rate beside it
+    (a row's MFU divides by it times the row's ranks)."""
     import torch
 
     from metrics.peak_flops import cpu_bf16_flags, lookup_gpu_peak, measure_matmul_flops
 
     name_of = {torch.float32: "fp32", torch.bfloat16: "bf16"}
     if torch.cuda.is_available():
-        name, count = torch.cuda.get_device_name(0), torch.cuda.device_count()
+        name = torch.cuda.get_device_name(0)
         dev = torch.device("cuda", 0)
         rate = measure_matmul_flops(dev, dtype, 8192, iters=10, time_budget_s=2.0)
         torch.cuda.empty_cache()  # the runs are child processes: leave them the memory
-        measured = f"measured {name_of[dtype]} 8192 matmul {rate / 1e12:.0f} TFLOP/s per GPU"
+        measured = f"measured {name_of[dtype]} 8192 matmul {rate / 1e12:.0f} TFLOP/s"
         peak = lookup_gpu_peak(name, dtype)
         if peak is None:  # no datasheet entry: the measured rate is the best peak there is
-            return rate * count, f"{measured} ({name} has no datasheet entry) x {count}"
-        label = f"datasheet {name_of[dtype]} {peak / 1e12:.0f} TFLOP/s x {count}"
-        return peak * count, f"{label}; {measured}"
+            return rate, f"per GPU: {measured} ({name} has no datasheet entry)"
+        return peak, f"per GPU: datasheet {name_of[dtype]} {peak / 1e12:.0f} TFLOP/s; {measured}"
     torch.set_num_threads(cores)
 
     def best_rate(dt) -> tuple[float, int]:
@@ -298,13 +298,13 @@ def run_once(row: Row, ns, extra: list[str], repeat: int) -> dict:
     }
 
 
-def summarise(row: Row, runs: list[dict], fpt: float, peak: float) -> dict:
-    import torch
-
+def summarise(row: Row, runs: list[dict], fpt: float, peak: float, cuda: bool) -> dict:
+    """A row's medians; `peak` is the CPU machine's, or one GPU's (times the row's ranks)."""
     tok = [r["tok_s_dev"] for r in runs]
     tok_med = statistics.median(tok)
     achieved = tok_med * row.nproc * fpt
-    cuda = torch.cuda.is_available()
+    if cuda:
+        peak *= row.nproc
     return {
         "row": row.name,
         "note": row.note,
@@ -456,7 +456,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"step {res['step_s']:.3f}s  load {load:.1f}  ({res['wall_s']:.0f}s)",
                   flush=True)  # fmt: skip
         peaks_after.append(measure_peak(cores, sizes, dtype)[0])
-    est = {r.name: estimated_mib(r, ns, extra) if ns.estimate else None for r in rows}
+    est = {}
+    for r in rows:  # after the timed runs: a failure here must not lose their numbers
+        try:
+            est[r.name] = estimated_mib(r, ns, extra) if ns.estimate else None
+        except Exception as e:  # noqa: BLE001
+            print(f"  estimate for {r.name} failed ({type(e).__name__}: {e}); left blank")
+            est[r.name] = None
     peak_after = max(peaks_after)
     payload = {
         "title": ns.title or "meshtrain benchmark",
@@ -490,7 +496,8 @@ def render(payload: dict, folder: Path) -> str:
     p = payload
     peak = max(p["peak_flops_before"], p["peak_flops_after"])
     rows = [get_row(name) for name in p["runs"]]
-    results = [summarise(r, p["runs"][r.name], p["flops_per_token"], peak) for r in rows]
+    cuda = bool(p["machine"].get("gpu"))
+    results = [summarise(r, p["runs"][r.name], p["flops_per_token"], peak, cuda) for r in rows]
     for res in results:
         res["est_mib"] = p["est_mib"].get(res["row"])
     loads = [x["load_before"] for v in p["runs"].values() for x in v]
@@ -508,7 +515,8 @@ def render(payload: dict, folder: Path) -> str:
         f"{p['flops_per_token'] / 1e9:.3f} GFLOP/token (6N + 12·L·H·Dh·S, causal at full cost)",
         f"- peak: {peak / 1e12:.3f} TFLOP/s ({p['peak_source']}; best of "
         f"{p['peak_flops_before'] / 1e12:.3f} before the runs and {p['peak_flops_after'] / 1e12:.3f} "
-        "after repeats); MFU = all ranks' model FLOP/s / this peak",
+        "after repeats); MFU = all ranks' model FLOP/s / this peak"
+        + (" x the row's GPUs" if cuda else ""),
         f"- {p['steps']} steps per run, medians over steps {p['warmup'] + 1}-{p['steps']}, then "
         f"the median over {p['repeats']} interleaved repeats; spread = half the min-max range; "
         "best = the fastest steady step of any repeat (least disturbed by other load)",

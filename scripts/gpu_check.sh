@@ -10,6 +10,7 @@
 #
 #   scripts/gpu_check.sh                 # one H200: 20 layers (scripts/estimate.py: 108 GiB)
 #   NGPU=8 LAYERS=32 scripts/gpu_check.sh
+#   OUT=/some/folder scripts/gpu_check.sh   # also copies tables, logs and metrics there
 #
 # Offline by design (GPU machines here reach no network): the bundled sample corpus, and a
 # synthetic tiktoken file with Llama 3's vocabulary size, so the embedding and output layers
@@ -32,9 +33,24 @@ if [ -n "${CHECK_ONLY:-}" ]; then  # config checks and model size only, no GPU n
   exec "$PY" train.py "${TRAIN[@]}" --job.dry_run true
 fi
 [ "$NGPU" -ge 1 ] || { echo "gpu_check.sh: no GPU found (nvidia-smi -L); set NGPU" >&2; exit 2; }
-ROW=$([ "$NGPU" -gt 1 ] && echo "zero3_${NGPU}" || echo single_eager)
-BENCH=(--rows "$ROW" --baseline "$ROW" --steps "$STEPS" --warmup 4 --repeats 1 --estimate)
-"$PY" scripts/bench.py "${TRAIN[@]}" "${BENCH[@]}" --output benchmarks/gpu_8b_eager \
-    --title "8B-shaped, ${LAYERS} layers, ${NGPU} GPUs, eager"
-"$PY" scripts/bench.py "${TRAIN[@]}" "${BENCH[@]}" --output benchmarks/gpu_8b_compiled \
-    --title "8B-shaped, ${LAYERS} layers, ${NGPU} GPUs, compiled" --compile.enable true
+export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+if [ "$NGPU" -gt 1 ]; then EAGER=("zero3_${NGPU}") COMPILED=("zero3_${NGPU}" --compile.enable true)
+else EAGER=(single_eager) COMPILED=(single_compiled); fi
+# Both invocations run even if one fails; with OUT set (the device tool's folder) each one's
+# table and its run's log and metrics are copied there, since nothing else comes back.
+status=0
+for kind in eager compiled; do
+  [ "$kind" = eager ] && set -- "${EAGER[@]}" || set -- "${COMPILED[@]}"
+  row=$1; shift
+  folder=benchmarks/gpu_8b_$kind
+  "$PY" scripts/bench.py "${TRAIN[@]}" "$@" --rows "$row" --baseline "$row" --steps "$STEPS" \
+      --warmup 4 --repeats 1 --estimate --output "$folder" \
+      --title "8B-shaped, ${LAYERS} layers, ${NGPU} GPUs, $kind" || status=$?
+  if [ -n "${OUT:-}" ]; then
+    mkdir -p "$OUT/gpu_8b_$kind"
+    cp "$folder"/bench.md "$folder"/bench.json "$OUT/gpu_8b_$kind/" 2>/dev/null || true
+    cp "$folder/runs/$row.0/stdout.txt" "$OUT/gpu_8b_$kind/" 2>/dev/null || true
+    cp "$folder/runs/$row.0/metrics.jsonl" "$OUT/gpu_8b_$kind/" 2>/dev/null || true
+  fi
+done
+exit "$status"

@@ -158,3 +158,6 @@ def test_process_group_backend_adds_gloo_for_offloaded_cuda_runs():
     assert process_group_backend("cuda") == "nccl"
     # offloaded gradients live on the host: their norm is all-reduced by gloo
     assert process_group_backend("cuda", True) == "cuda:nccl,cpu:gloo"
+    # one GPU exchanges nothing between GPUs: no NCCL communicator to set up
+    assert process_group_backend("cuda", world_size=1) == "gloo"
+    assert process_group_backend("cuda", True, world_size=1) == "gloo"
