@@ -54,7 +54,7 @@ def breakdown(cfg, world_size: int, local_rank: int) -> dict:
     from training.step import StepSetup, clip_grad_norm_, train_step
     from training.trainer import (
         build_model_parts,
-        layout_forward_context,
+        layout_forward_contexts,
         load_tokenizer,
         start_runtime,
     )
@@ -76,11 +76,13 @@ def breakdown(cfg, world_size: int, local_rank: int) -> dict:
 
     parts, _, _, _ = build_model_parts(cfg, dims, model_args, device, loss_fn)
     optimizer = build_optimizer(parts, cfg.optimizer, device.type)
+    loss_context, autocast = layout_forward_contexts(cfg, dims, device.type)
     setup = StepSetup(
         model_parts=parts,
         loss_fn=loss_fn,
         tokens_per_rank_step=tokens,
-        loss_context=layout_forward_context(cfg, dims, device.type),
+        loss_context=loss_context,
+        autocast=autocast,
     )
     params = [p for part in parts for p in part.parameters()]
     gen = torch.Generator().manual_seed(cfg.debug.seed + torch.distributed.get_rank())

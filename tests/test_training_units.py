@@ -141,14 +141,35 @@ def test_clip_grad_norm_returns_total_norm_and_clips():
     assert total.item() == pytest.approx(1.0, rel=1e-5)
 
 
-def test_forward_context_autocasts_only_when_asked():
-    from training.trainer import forward_context
+def test_autocast_covers_forward_and_loss_but_not_backward():
+    from models.llama3 import ModelArgs, Transformer
+    from training.loss import cross_entropy_sum
+    from training.step import StepSetup, train_step
+    from training.trainer import forward_contexts
 
     a, b = torch.randn(4, 4), torch.randn(4, 4)
-    with forward_context(False, torch.bfloat16, "cpu")():
+    loss_context, autocast = forward_contexts(False, torch.bfloat16, "cpu")
+    with loss_context(), autocast():
         assert (a @ b).dtype == torch.bfloat16
-    with forward_context(False, None, "cpu")():
+    with forward_contexts(False, None, "cpu")[1]():
         assert (a @ b).dtype == torch.float32
+
+    torch.manual_seed(0)
+    args = ModelArgs(dim=32, n_layers=1, n_heads=4, vocab_size=64, multiple_of=16, max_seq_len=8)
+    model = Transformer(args)
+    model.init_buffers("cpu")
+    seen = {}
+
+    def watch(module, inputs, out):  # logits: bf16 from the forward under autocast
+        seen["logits"] = out.dtype
+        out.register_hook(lambda g: seen.update(backward=torch.is_autocast_enabled("cpu")))
+
+    model.output.register_forward_hook(watch)
+    setup = StepSetup([model], cross_entropy_sum, 16, loss_context=loss_context, autocast=autocast)
+    x = torch.randint(0, 64, (2, 8))
+    train_step(setup, [(x, x)])
+    assert seen == {"logits": torch.bfloat16, "backward": False}
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
 
 
 def test_process_group_backend_adds_gloo_for_offloaded_cuda_runs():

@@ -25,7 +25,13 @@ class StepSetup:
     pp_schedule: object | None = None  # a torch.distributed.pipelining schedule
     pp_first_stage: bool = True
     pp_last_stage: bool = True
+    # forward, loss and backward run in `loss_context` (loss parallel under TP); forward and
+    # loss alone in `autocast` (bf16 where no FSDP/ZeRO casts the weights): backward runs
+    # outside autocast, as PyTorch advises, and the autocast weight cache is freed before it
     loss_context: Callable[[], contextlib.AbstractContextManager] = field(
+        default=contextlib.nullcontext
+    )
+    autocast: Callable[[], contextlib.AbstractContextManager] = field(
         default=contextlib.nullcontext
     )
 
@@ -63,14 +69,16 @@ def train_step(setup: StepSetup, microbatches: list[tuple[torch.Tensor, torch.Te
         _set_grad_sync(setup.model_parts, i == len(microbatches) - 1)
         with setup.loss_context():
             if setup.pp_schedule is None:
-                loss = setup.loss_fn(setup.model_parts[0](inputs), labels)
+                with setup.autocast():
+                    loss = setup.loss_fn(setup.model_parts[0](inputs), labels)
                 loss.backward()
                 total += loss.detach()
             else:
                 args, target, losses = pipeline_call(setup, inputs, labels)
-                setup.pp_schedule.step(
-                    *args, target=target, losses=losses, **_pp_step_kwargs(setup.pp_schedule)
-                )
+                with setup.autocast():  # the schedule runs the backward passes itself
+                    setup.pp_schedule.step(
+                        *args, target=target, losses=losses, **_pp_step_kwargs(setup.pp_schedule)
+                    )
                 if setup.pp_last_stage:
                     total += torch.stack([x.detach() for x in losses]).sum()
     return total

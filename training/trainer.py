@@ -124,28 +124,23 @@ def build_model_parts(cfg, parallel_dims, model_args, device, loss_fn):
     return model_parts, schedule, first, last
 
 
-def forward_context(tp_loss_parallel: bool, autocast_dtype: torch.dtype | None, device_type: str):
-    """The context forward and loss run in: `loss_parallel()` for vocabulary-sharded logits
-    under TP (the loss reduces across TP ranks itself), autocast when no FSDP/ZeRO casts."""
-
-    def context() -> contextlib.ExitStack:
-        stack = contextlib.ExitStack()
-        if tp_loss_parallel:
-            stack.enter_context(loss_parallel())
-        if autocast_dtype is not None:
-            stack.enter_context(torch.autocast(device_type, dtype=autocast_dtype))
-        return stack
-
-    return context
+def forward_contexts(tp_loss_parallel: bool, autocast_dtype: torch.dtype | None, device_type: str):
+    """(loss context, autocast context) factories for `StepSetup`: `loss_parallel()` for
+    vocabulary-sharded logits under TP (the loss reduces across TP ranks itself; forward and
+    backward), autocast when no FSDP/ZeRO casts the weights (forward and loss only)."""
+    loss_context = loss_parallel if tp_loss_parallel else contextlib.nullcontext
+    if autocast_dtype is None:
+        return loss_context, contextlib.nullcontext
+    return loss_context, functools.partial(torch.autocast, device_type, dtype=autocast_dtype)
 
 
-def layout_forward_context(cfg: JobConfig, parallel_dims: ParallelDims, device_type: str):
-    """`forward_context` for this layout: loss parallel under TP unless disabled; autocast to
+def layout_forward_contexts(cfg: JobConfig, parallel_dims: ParallelDims, device_type: str):
+    """`forward_contexts` for this layout: loss parallel under TP unless disabled; autocast to
     the compute dtype where no FSDP/ZeRO casts the weights (one GPU, TP- or PP-only layouts),
     which gives the same bf16 compute over fp32 weights."""
     compute_dtype = mixed_precision_dtypes(cfg.training, device_type)[0]
     autocast = not parallel_dims.dp_enabled and compute_dtype != torch.float32
-    return forward_context(
+    return forward_contexts(
         parallel_dims.tp_enabled and not cfg.parallelism.disable_loss_parallel,
         compute_dtype if autocast else None,
         device_type,
@@ -261,6 +256,7 @@ def run_training(
         )
         checkpointer.load()
 
+    loss_context, autocast = layout_forward_contexts(cfg, parallel_dims, device.type)
     setup = StepSetup(
         model_parts=model_parts,
         loss_fn=step_loss,
@@ -268,7 +264,8 @@ def run_training(
         pp_schedule=schedule,
         pp_first_stage=first,
         pp_last_stage=last,
-        loss_context=layout_forward_context(cfg, parallel_dims, device.type),
+        loss_context=loss_context,
+        autocast=autocast,
     )
     params = [p for part in model_parts for p in part.parameters()]
     pp_group = parallel_dims.dim("pp").get_group() if parallel_dims.pp_enabled else None

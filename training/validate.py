@@ -22,7 +22,7 @@ def evaluate(setup, loader, steps: int, device: torch.device) -> float:
         if steps >= 0 and i >= steps:
             break
         inputs, labels = inputs.to(device), labels.to(device)
-        with setup.loss_context():
+        with setup.loss_context(), setup.autocast():
             if setup.pp_schedule is None:
                 total[0] += cross_entropy_sum(setup.model_parts[0](inputs), labels).double()
             else:
