@@ -10,7 +10,7 @@
 #
 #   scripts/gpu_check.sh                 # one H200: 20 layers (scripts/estimate.py: 108 GiB)
 #   NGPU=8 LAYERS=32 scripts/gpu_check.sh
-#   OUT=/some/folder scripts/gpu_check.sh   # also copies tables, logs and metrics there
+#   OUT=/some/folder scripts/gpu_check.sh   # also copies the tables and run logs there
 #
 # Offline by design (GPU machines here reach no network): the bundled sample corpus, and a
 # synthetic tiktoken file with Llama 3's vocabulary size, so the embedding and output layers
@@ -37,7 +37,8 @@ export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-exp
 if [ "$NGPU" -gt 1 ]; then EAGER=("zero3_${NGPU}") COMPILED=("zero3_${NGPU}" --compile.enable true)
 else EAGER=(single_eager) COMPILED=(single_compiled); fi
 # Both invocations run even if one fails; with OUT set (the device tool's folder) each one's
-# table and its run's log and metrics are copied there, since nothing else comes back.
+# table (bench.md, bench.json) and its run's log (every logged step) are copied there, since
+# nothing else comes back: 6 files, leaving 2 of the tool's 8 for the caller's own logs.
 status=0
 for kind in eager compiled; do
   [ "$kind" = eager ] && set -- "${EAGER[@]}" || set -- "${COMPILED[@]}"
@@ -50,7 +51,6 @@ for kind in eager compiled; do
     mkdir -p "$OUT/gpu_8b_$kind"
     cp "$folder"/bench.md "$folder"/bench.json "$OUT/gpu_8b_$kind/" 2>/dev/null || true
     cp "$folder/runs/$row.0/stdout.txt" "$OUT/gpu_8b_$kind/" 2>/dev/null || true
-    cp "$folder/runs/$row.0/metrics.jsonl" "$OUT/gpu_8b_$kind/" 2>/dev/null || true
   fi
 done
 exit "$status"
