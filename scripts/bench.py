@@ -13,7 +13,8 @@ Columns: tokens/s per device (global tokens / world size / step time, as train.p
 step time, achieved TFLOP/s of the whole machine (6N + 12·L·H·Dh·S FLOPs per token, causal
 attention at full cost, metrics/flops.py), MFU against a peak measured here in the same
 invocation (a dense matmul in the runs' compute dtype on all cores on CPU, plus the bf16 rate
-where the CPU has bf16 instructions; the datasheet peak on GPUs), peak memory
+where the CPU has bf16 instructions; on GPUs one GPU's datasheet peak times the row's GPUs),
+peak memory
 per rank (the largest rank's peak RSS on CPU, from the kernel's rusage of the process tree;
 CUDA max allocated on GPUs, from the trainer's log), on CPU that peak less the RSS the rank
 had before its model was built (interpreter, libraries, process groups: what no layout can
@@ -173,22 +174,23 @@ def machine() -> dict:
 
 def compute_dtype(overrides: list[str]):
     """The matmul dtype train.py will compute in with these overrides on this machine."""
-    import torch
-
     from config import parse_args
     from parallelisms.fsdp import mixed_precision_dtypes
+    from training.distributed import device_type
 
     cfg = parse_args(overrides)
-    device = "cuda" if torch.cuda.is_available() and cfg.training.device != "cpu" else "cpu"
-    return mixed_precision_dtypes(cfg.training, device)[0]
+    return mixed_precision_dtypes(cfg.training, device_type(cfg.training.device))[0]
 
 
-def measure_peak(cores: int, sizes: tuple[int, ...], dtype) -> tuple[float, str]:
+def measure_peak(
+    cores: int, sizes: tuple[int, ...], dtype, describe: bool = True
+) -> tuple[float, str]:
     """Peak FLOP/s for matmuls in `dtype` (the runs' compute dtype): on CPU the machine's, the
     best square-matmul rate on all cores (sizes 1024-2048, a few seconds) — where the CPU has
     bf16 instructions and the runs compute in fp32, the bf16 rate is measured too and shown
     beside it; on CUDA one GPU's datasheet peak, with a measured 8192 matmul rate beside it
-    (a row's MFU divides by it times the row's ranks)."""
+    (a row's MFU divides by it times the row's ranks). `describe=False` (the re-measurements
+    after each repeat, whose description is not shown) skips the side rates."""
     import torch
 
     from metrics.peak_flops import cpu_bf16_flags, lookup_gpu_peak, measure_matmul_flops
@@ -212,7 +214,7 @@ def measure_peak(cores: int, sizes: tuple[int, ...], dtype) -> tuple[float, str]
 
     best, best_size = best_rate(dtype)
     text = f"measured {name_of[dtype]} {best_size}x{best_size} matmul, {cores} threads"
-    flags = cpu_bf16_flags()
+    flags = cpu_bf16_flags() if describe else []
     if flags and dtype == torch.float32:
         bf16, bf16_size = best_rate(torch.bfloat16)
         text += f"; bf16 ({', '.join(flags)}) {bf16 / 1e12:.3f} TFLOP/s at {bf16_size}"
@@ -455,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  repeat {rep} {row.name:22} {res['tok_s_dev']:>10,.0f} tok/s/dev  "
                   f"step {res['step_s']:.3f}s  load {load:.1f}  ({res['wall_s']:.0f}s)",
                   flush=True)  # fmt: skip
-        peaks_after.append(measure_peak(cores, sizes, dtype)[0])
+        peaks_after.append(measure_peak(cores, sizes, dtype, describe=False)[0])
     est = {}
     for r in rows:  # after the timed runs: a failure here must not lose their numbers
         try:
