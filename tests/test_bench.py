@@ -45,12 +45,19 @@ def test_bench_smoke(tmp_path):
 
 def test_bench_bf16_compute_measures_a_bf16_peak(tmp_path):
     # bf16 compute: MFU is against a bf16 matmul rate, and the bare loop runs under autocast
-    cmd = [sys.executable, "scripts/bench.py", "--rows", "bare,single_eager"]
-    cmd += ["--steps", "2", "--warmup", "1", "--repeats", "1", "--peak-sizes", "256"]
-    cmd += ["--output", str(tmp_path), *TINY, "--training.mixed_precision_param", "bfloat16"]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    data = json.loads((tmp_path / "bench.json").read_text())
+    # (same weights and tokens as in fp32, so its loss moves only by bf16 rounding)
+    def bench(out, *args):
+        cmd = [sys.executable, "scripts/bench.py", "--steps", "2", "--warmup", "1"]
+        cmd += ["--repeats", "1", "--peak-sizes", "256", "--output", str(out), *TINY, *args]
+        run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+        return json.loads((out / "bench.json").read_text())
+
+    data = bench(tmp_path / "bf16", "--rows", "bare,single_eager",
+                 "--training.mixed_precision_param", "bfloat16")  # fmt: skip
     cores = data["machine"]["cores"]
     assert data["peak_source"] == f"measured bf16 256x256 matmul, {cores} threads"
     assert all(r["mfu_pct"] > 0 and 0 < r["loss"] < 20 for r in data["rows"])
+    fp32 = bench(tmp_path / "fp32", "--rows", "bare")
+    bare_bf16, bare_fp32 = data["rows"][0]["loss"], fp32["rows"][0]["loss"]
+    assert bare_bf16 != bare_fp32 and abs(bare_bf16 - bare_fp32) < 0.05 * bare_fp32
