@@ -175,10 +175,10 @@ def test_autocast_covers_forward_and_loss_but_not_backward():
 def test_process_group_backend_adds_gloo_for_offloaded_cuda_runs():
     from training.distributed import process_group_backend
 
-    assert process_group_backend("cpu") == process_group_backend("cpu", True) == "gloo"
-    assert process_group_backend("cuda") == "nccl"
+    assert process_group_backend("cpu", 2) == process_group_backend("cpu", 2, True) == "gloo"
+    assert process_group_backend("cuda", 2) == "nccl"
     # offloaded gradients live on the host: their norm is all-reduced by gloo
-    assert process_group_backend("cuda", True) == "cuda:nccl,cpu:gloo"
+    assert process_group_backend("cuda", 2, True) == "cuda:nccl,cpu:gloo"
     # one GPU exchanges nothing between GPUs: no NCCL communicator to set up
-    assert process_group_backend("cuda", world_size=1) == "gloo"
-    assert process_group_backend("cuda", True, world_size=1) == "gloo"
+    assert process_group_backend("cuda", 1) == "gloo"
+    assert process_group_backend("cuda", 1, True) == "gloo"

@@ -59,7 +59,7 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def process_group_backend(device_type: str, cpu_offload: bool = False, world_size: int = 2) -> str:
+def process_group_backend(device_type: str, world_size: int, cpu_offload: bool = False) -> str:
     """NCCL for CUDA, gloo for CPU; CUDA with CPU offload needs both, since the offloaded
     gradients' norm (clipping) is reduced across ranks on the host. One rank moves no data
     between GPUs (a few scalar all-reduces, which gloo also runs on CUDA tensors): gloo, so a
@@ -76,7 +76,7 @@ def init_process_group(
     an in-memory store, so the mesh, DTensor and DCP code paths are the same for every launch."""
     if dist.is_initialized():
         return
-    backend = process_group_backend(device.type, cpu_offload, world_size)
+    backend = process_group_backend(device.type, world_size, cpu_offload)
     kwargs = {"device_id": device} if "nccl" in backend else {}  # NCCL's eager init
     if world_size == 1 and "MASTER_ADDR" not in os.environ:
         kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
