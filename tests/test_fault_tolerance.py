@@ -78,7 +78,10 @@ def test_dead_rank_is_restarted_and_resumes_with_identical_losses(runs):
     log1 = (dump / "logs" / "rank_1.log").read_text()
     assert "rank 1 failed at step 4: RuntimeError: debug.fail_at_step = 4: injected" in log1
     log0 = (dump / "logs" / "rank_0.log").read_text()
-    assert "checkpoint: loaded" in log0 and "step-2" in log0.split("checkpoint: loaded")[1]
+    # the restart loads step 2's checkpoint (the loaded line itself, not any later line)
+    loads = [line for line in log0.splitlines() if "checkpoint: loaded " in line]
+    assert len(loads) == 1, log0[-3000:]
+    assert f"loaded {dump / 'checkpoint' / 'step-2'} (" in loads[0] and " step 2:" in loads[0]
     reference = _losses(ref_dump)
     assert sorted(reference) == list(range(1, 7))
     assert _losses(dump) == reference  # bit-identical (deterministic CPU runs)

@@ -285,7 +285,7 @@ def test_metrics_logger_appends_and_flushes_each_line(tmp_path) -> None:
         assert json.loads(f.readline())["loss"] == 3.0
     first.close()
     first.close()
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match=r"log\(\) called after close\(\)"):
         first.log(2, {"loss": 2.0})
     with MetricsLogger(dump, rank=0, enable_tensorboard=False, console=False) as resumed:
         resumed.log(2, {"loss": 2.0})
@@ -296,9 +296,9 @@ def test_metrics_logger_appends_and_flushes_each_line(tmp_path) -> None:
 
 def test_metrics_logger_rejects_bad_values(tmp_path) -> None:
     with MetricsLogger(str(tmp_path), rank=0, enable_tensorboard=False) as metrics:
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=r"metric names \['step'\] are reserved"):
             metrics.log(1, {"step": 3.0})
-        with pytest.raises(TypeError):
+        with pytest.raises(TypeError, match="metric 'loss' must be a number, got str"):
             metrics.log(1, {"loss": "high"})
 
 

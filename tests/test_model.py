@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from metrics import count_params
 from models import build_model_args
 from models.llama3 import ModelArgs, Transformer, llama3_flavors
 from models.llama3.model import Attention, FeedForward, apply_rope, rope_frequencies, rope_table
@@ -62,13 +63,29 @@ def test_gqa_attention_matches_explicit_reference():
     torch.testing.assert_close(out, attn.wo(ref), rtol=1e-5, atol=1e-5)
 
 
-def test_rmsnorm_matches_reference():
-    norm = torch.nn.RMSNorm(16, eps=1e-5)
-    with torch.no_grad():
-        norm.weight.uniform_()
-    x = torch.randn(3, 16)
-    ref = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight
-    torch.testing.assert_close(norm(x), ref)
+def ref_rmsnorm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight in float64, eps = 1e-5 as in Llama 3's params.json."""
+    x = x.double()
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.double()
+
+
+def test_model_rmsnorms_match_reference():
+    torch.manual_seed(0)
+    model = Transformer(_tiny_args())
+    block = model.layers["0"]
+    # Inputs of RMS ~3e-3, where eps = 1e-5 moves the result by ~50%, and of RMS ~1.
+    for scale in (3e-3, 1.0):
+        x = torch.randn(3, 5, 32) * scale
+        for norm in (model.norm, block.attention_norm, block.ffn_norm):
+            with torch.no_grad():
+                norm.weight.uniform_(0.5, 1.5)
+            ref = ref_rmsnorm(x, norm.weight)
+            torch.testing.assert_close(norm(x).double(), ref, rtol=1e-5, atol=1e-7)
+    # The block is pre-norm: h = x + attention(rmsnorm(x)); out = h + feed_forward(rmsnorm(h)).
+    x = torch.randn(2, 8, 32) * 3e-3
+    h = x + block.attention(ref_rmsnorm(x, block.attention_norm.weight).float(), model.rope)
+    ref = h + block.feed_forward(ref_rmsnorm(h, block.ffn_norm.weight).float())
+    torch.testing.assert_close(block(x, model.rope), ref, rtol=1e-5, atol=1e-6)
 
 
 def test_swiglu_sizing_and_output():
@@ -83,16 +100,36 @@ def test_swiglu_sizing_and_output():
     torch.testing.assert_close(ff(x), ref)
 
 
+# Published totals of Llama 3.1 (128,256-token vocabulary, untied output layer).
 @pytest.mark.parametrize(
     "flavor, expected",
-    [("8B", 8.03e9), ("70B", 70.55e9), ("405B", 405.85e9)],
+    [("8B", 8_030_261_248), ("70B", 70_553_706_496), ("405B", 405_853_388_800)],
 )
 def test_flavor_parameter_counts_on_meta(flavor, expected):
     with torch.device("meta"):
         model = Transformer(llama3_flavors[flavor])
-    n = sum(p.numel() for p in model.parameters())
-    assert abs(n - expected) / expected < 0.001
     assert all(p.is_meta for p in model.parameters())
+    assert sum(p.numel() for p in model.parameters()) == expected
+    assert count_params(model) == expected  # what train.py reports
+    embedding = 128_256 * llama3_flavors[flavor].dim
+    assert count_params(model, exclude_embedding=True) == expected - embedding
+
+
+def test_debugmodel_parameter_count_by_hand():
+    # dim 256, 6 layers, 16 heads of 16, 8 KV heads, vocabulary 4096, SwiGLU hidden
+    # int(2 * 4 * 256 / 3) = 682 rounded up to a multiple of 256 = 768.
+    dim, layers, kv_dim, vocab, hidden = 256, 6, 8 * 16, 4096, 768
+    attention = dim * dim + 2 * dim * kv_dim + dim * dim  # wq, wk + wv, wo
+    feed_forward = 3 * dim * hidden  # w1, w2, w3
+    norms = 2 * dim  # attention_norm, ffn_norm
+    per_layer = attention + feed_forward + norms  # 196,608 + 589,824 + 512 = 786,944
+    total = vocab * dim + layers * per_layer + dim + dim * vocab  # + final norm + output
+    assert total == 6_819_072  # what the README and `--job.dry_run` say
+    with torch.device("meta"):
+        model = Transformer(llama3_flavors["debugmodel"])
+    assert sum(p.numel() for p in model.parameters()) == total
+    assert count_params(model) == total
+    assert count_params(model, exclude_embedding=True) == total - vocab * dim
 
 
 def test_build_model_args_uses_tokenizer_vocab_and_seq_len():

@@ -294,3 +294,88 @@ def test_time_limit_warning_checkpoints_requeues_and_resumes(cluster, jobs):
     assert steps[-1] == 60 and steps.index(stopped + 1) == stopped  # resumed after the stop
     saved = {p.name for p in (dump / "checkpoint").glob("step-*")}
     assert saved == {f"step-{stopped}", "step-60"}
+
+
+# ------------------------------------------------------------------ skips under CI (conftest)
+# The skips above must not turn a CI run green: tests/conftest.py makes every skip a failure
+# when CI is set. These inner pytest sessions (pytester) prove it with the real conftest.
+
+INNER = """
+import pytest
+
+def test_runs():
+    pass
+
+def test_skips():
+    pytest.skip("no widget on this machine")
+
+@pytest.mark.skipif(True, reason="marked off here")
+def test_marked():
+    pass
+"""
+INNER_IMPORT = (
+    "import pytest\npytest.importorskip('no_such_module_xyz')\n\ndef test_x():\n    pass\n"
+)
+
+
+def _inner(pytester, monkeypatch, ci: str | None, *files: str, extra_conftest: str = ""):
+    pytester.makeconftest(Path(__file__).with_name("conftest.py").read_text() + extra_conftest)
+    pytester.makepyfile(test_inner=INNER, test_inner_import=INNER_IMPORT)
+    if ci is None:
+        monkeypatch.delenv("CI", raising=False)
+    else:
+        monkeypatch.setenv("CI", ci)
+    return pytester.runpytest_subprocess("-ra", "-p", "no:cacheprovider", *files)
+
+
+@pytest.mark.parametrize("ci", [None, "", "0", "false"])
+def test_without_ci_a_skip_passes_and_the_summary_says_why(pytester, monkeypatch, ci):
+    result = _inner(pytester, monkeypatch, ci, "test_inner.py", "test_inner_import.py")
+    assert result.ret == 0, result.stdout.str()
+    result.assert_outcomes(passed=1, skipped=3)
+    result.stdout.fnmatch_lines(
+        [
+            "*short test summary info*",
+            "SKIPPED [[]1[]] test_inner_import.py:2: could not import*no_such_module_xyz*",
+            "SKIPPED [[]1[]] test_inner.py:*: no widget on this machine",
+            "SKIPPED [[]1[]] test_inner.py:*: marked off here",
+        ]
+    )
+
+
+@pytest.mark.parametrize("ci", ["true", "1"])
+def test_under_ci_every_skip_fails_naming_the_test_and_reason(pytester, monkeypatch, ci):
+    result = _inner(pytester, monkeypatch, ci, "test_inner.py")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
+    # pytest.skip in the test fails it; a skipif mark fails its setup (an error)
+    result.assert_outcomes(passed=1, failed=1, errors=1, skipped=0)
+    result.stdout.fnmatch_lines(
+        [
+            "*short test summary info*",
+            f"ERROR test_inner.py::test_marked - Failed: test_inner.py::test_marked skipped "
+            f"under CI='{ci}': marked off here (a skip fails CI*",
+            f"FAILED test_inner.py::test_skips - Failed: test_inner.py::test_skips skipped "
+            f"under CI='{ci}': no widget on this machine (a skip fails CI*",
+        ]
+    )
+    # a module-level importorskip fails the collection (pytest then runs nothing: exit 2)
+    out = _inner(pytester, monkeypatch, ci, "test_inner_import.py")
+    assert out.ret == pytest.ExitCode.INTERRUPTED, out.stdout.str()
+    out.stdout.fnmatch_lines(
+        [
+            f"ERROR test_inner_import.py - Failed: test_inner_import.py skipped under "
+            f"CI='{ci}': could not import 'no_such_module_xyz'*"
+        ]
+    )
+
+
+def test_under_ci_only_listed_skips_pass_and_never_the_protected_files(pytester, monkeypatch):
+    allow = '\nCI_ALLOWED_SKIPS["test_inner.py::test_skips"] = "no widget in CI"\n'
+    result = _inner(pytester, monkeypatch, "true", "test_inner.py", extra_conftest=allow)
+    result.assert_outcomes(passed=1, skipped=1, errors=1)
+    # the SLURM test and the parity layouts cannot be listed: pytest refuses to start
+    for path in ("tests/test_slurm.py", "tests/test_pipeline_parity.py::test_losses"):
+        banned = f'\nCI_ALLOWED_SKIPS["{path}"] = "no"\n'
+        result = _inner(pytester, monkeypatch, "true", "test_inner.py", extra_conftest=banned)
+        assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str()
+        assert "must never skip in CI" in result.stderr.str()

@@ -96,7 +96,14 @@ def test_two_rank_run_learns_and_writes_every_output(tmp_path):
     val = records(dump, "validation")
     assert [r["step"] for r in val] == [10, 20]
     assert val[1]["loss"] < val[0]["loss"]
-    assert "global batch 8 sequences (4 x 2 DP ranks" in (dump / "logs/rank_0.log").read_text()
+    log0 = (dump / "logs/rank_0.log").read_text()
+    assert "global batch 8 sequences (4 x 2 DP ranks" in log0
+    # The tiny shape's parameters by hand: dim 64, 2 layers, 4 heads of 16, 2 KV heads (32
+    # wide), SwiGLU hidden int(2 * 4 * 64 / 3) = 170 rounded up to multiple_of 256 = 256.
+    dim, kv_dim, hidden, vocab = 64, 2 * 16, 256, 4096
+    per_layer = 2 * dim * dim + 2 * dim * kv_dim + 3 * dim * hidden + 2 * dim  # + 2 norms
+    n_params = vocab * dim + 2 * per_layer + dim + dim * vocab  # + final norm + output
+    assert f"model llama3 debugmodel: {n_params:,} parameters," in log0  # 647,488
     assert (dump / "logs/rank_1.log").exists()
     resolved = (dump / "config.toml").read_text()
     assert "steps = 20" in resolved and "[parallelism]" in resolved
@@ -146,10 +153,36 @@ def test_non_finite_loss_stops_the_run_naming_the_step(tmp_path):
     assert [r["step"] for r in train] == [1, 2]  # logged first, then stopped
 
 
+def _worker_pids(launcher: int) -> dict[int, int]:
+    """{rank: pid} of torchrun's worker processes (its children), from /proc."""
+    pids = {}
+    for children in Path(f"/proc/{launcher}/task").glob("*/children"):
+        for pid in children.read_text().split():
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            ranks = [int(v[5:]) for v in env if v.startswith(b"RANK=")]
+            if ranks:
+                pids[ranks[0]] = int(pid)
+    return pids
+
+
 def test_sigterm_stops_cleanly_at_a_step_boundary(tmp_path):
+    """SIGTERM to one worker: every rank agrees to stop at the same log step, saves the stop
+    checkpoint and exits 0, so torchrun exits 0 too. (The signal goes to a worker, as SLURM
+    delivers it, not to torchrun: torchrun itself exits 1 whenever it is signalled.)"""
     dump = tmp_path / "term"
     proc = launch(
-        dump, "--training.steps", "10000", "--validation.enable", "false", nproc=2, wait=False
+        dump,
+        "--training.steps",
+        "10000",
+        "--validation.enable",
+        "false",
+        # only the stop saves a checkpoint
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "1000",
+        nproc=2,
+        wait=False,
     )
     try:
         deadline = time.time() + 120
@@ -159,15 +192,36 @@ def test_sigterm_stops_cleanly_at_a_step_boundary(tmp_path):
             time.sleep(0.5)
         else:
             pytest.fail("the run never logged two steps")
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
+        workers = _worker_pids(proc.pid)
+        assert sorted(workers) == [0, 1], workers
+        os.kill(workers[1], signal.SIGTERM)  # rank 0 only learns of it from rank 1
+        out, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    for rank in (0, 1):
-        log = (dump / f"logs/rank_{rank}.log").read_text()
-        assert "stopping at step" in log, log[-2000:]
-        assert "done:" in log
+            proc.wait()
+    assert proc.returncode == 0, out[-3000:]
+    logs = [(dump / f"logs/rank_{rank}.log").read_text() for rank in (0, 1)]
+    assert "signal 15 received" in logs[1] and "signal 15 received" not in logs[0]
+    stops = []
+    for log in logs:
+        lines = [line for line in log.splitlines() if "stopping at step" in line]
+        assert len(lines) == 1 and lines[0].endswith(" on request"), log[-2000:]
+        stops.append(int(lines[0].split("stopping at step ")[1].split()[0]))
+    step = stops[0]
+    assert stops == [step, step] and step >= 2, stops
+    for log in logs:
+        assert f"done: {step} steps," in log, log[-2000:]
+        assert "interrupted" not in log
+    assert [r["step"] for r in records(dump)] == list(range(1, step + 1))
+    # the stop checkpoint: committed (DCP metadata + layout.json), both ranks' shards
+    ckpt = dump / "checkpoint"
+    assert sorted(p.name for p in ckpt.iterdir()) == [f"step-{step}"]
+    files = {p.name for p in (ckpt / f"step-{step}").iterdir()}
+    assert {".metadata", "layout.json", "__0_0.distcp", "__1_0.distcp"} <= files, files
+    layout = json.loads((ckpt / f"step-{step}" / "layout.json").read_text())
+    assert (layout["step"], layout["kind"], layout["world_size"]) == (step, "full", 2)
+    assert f"checkpoint: saved {ckpt}/step-{step} in" in logs[0]
 
 
 def test_failed_checkpoint_close_does_not_hide_the_training_error(tmp_path):

@@ -1,0 +1,99 @@
+"""Under CI a skipped test fails the run.
+
+`./run_tests.sh` prints every skip with its reason in the short summary (`-ra` in
+pyproject.toml's addopts). That is enough on a laptop, where a missing GPU or package is a
+fine reason not to run something, but in CI a skip hides a test that never ran behind a
+green run. So when the `CI` environment variable holds a true value (anything but "", "0",
+"false", "no", "off"; CI services set CI=true), every skip - `pytest.skip`, a `skipif` mark,
+`pytest.importorskip`, in a test, in a fixture or while collecting a module - is turned into
+a failure whose message names the test and the skip's reason.
+
+The CI machine (2-core CPU, no GPU, root, Debian, PyPI and the Debian mirrors reachable) can
+run every test of this suite, so no skip is allowed there: CI_ALLOWED_SKIPS, the one place to
+list exceptions, is empty. The SLURM test and the parity layouts may never be listed
+(CI_NEVER_SKIP); pytest refuses to start if they are.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest_plugins = ["pytester"]  # tests/test_slurm.py runs inner pytest sessions to prove this
+
+# Skips that are fine under CI: a test id ("tests/test_x.py::test_y", which also covers its
+# parametrizations) or a whole file ("tests/test_x.py"), mapped to why CI cannot run it.
+CI_ALLOWED_SKIPS: dict[str, str] = {}
+
+# Files whose tests must run under CI, whatever CI_ALLOWED_SKIPS says.
+CI_NEVER_SKIP = (
+    "tests/test_slurm.py",
+    "tests/test_parallel_parity.py",
+    "tests/test_pipeline_parity.py",
+    "tests/test_checkpoint_train.py",
+)
+
+_FALSE = {"", "0", "false", "no", "off"}
+
+
+def ci_enabled() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in _FALSE
+
+
+def _covers(key: str, nodeid: str) -> bool:
+    return nodeid == key or nodeid.startswith((key + "::", key + "["))
+
+
+def skip_allowed_in_ci(nodeid: str) -> bool:
+    if any(_covers(path, nodeid) for path in CI_NEVER_SKIP):
+        return False
+    return any(_covers(key, nodeid) for key in CI_ALLOWED_SKIPS)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    banned = [k for k in CI_ALLOWED_SKIPS if any(_covers(p, k) for p in CI_NEVER_SKIP)]
+    if banned:
+        raise pytest.UsageError(
+            f"tests/conftest.py: CI_ALLOWED_SKIPS lists {banned}, which must never skip in CI "
+            f"(CI_NEVER_SKIP: {', '.join(CI_NEVER_SKIP)})"
+        )
+
+
+def _skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:  # (path, line, "Skipped: why")
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    return str(longrepr)
+
+
+def _fail_skip(node: pytest.Item | pytest.Collector, report) -> None:
+    """Turns a skip report into a failure naming the test and the reason (CI only)."""
+    if not report.skipped or hasattr(report, "wasxfail") or not ci_enabled():
+        return
+    if skip_allowed_in_ci(report.nodeid):
+        return
+    message = (
+        f"{report.nodeid} skipped under CI={os.environ['CI']!r}: {_skip_reason(report)} "
+        "(a skip fails CI: make it run there, or list it in CI_ALLOWED_SKIPS in tests/conftest.py)"
+    )
+    try:
+        pytest.fail(message, pytrace=False)
+    except pytest.fail.Exception:
+        excinfo = pytest.ExceptionInfo.from_current()
+    report.outcome = "failed"
+    report.longrepr = node.repr_failure(excinfo)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    _fail_skip(item, report)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):
+    report = yield
+    _fail_skip(collector, report)
+    return report
