@@ -96,10 +96,19 @@ class _Counter:
         return total
 
 
+def _param_bytes(counter: _Counter, model_parts: list[nn.Module]) -> int:
+    return sum(counter.add([*part.parameters(), *_extra_params(part)]) for part in model_parts)
+
+
+def param_bytes(model_parts: list[nn.Module]) -> int:
+    """This rank's parameter bytes alone (registered, ZeRO compute and FSDP2 gathered)."""
+    return _param_bytes(_Counter(), model_parts)
+
+
 def memory_report(model_parts: list[nn.Module], optimizer: torch.optim.Optimizer) -> MemoryReport:
     """This rank's parameter, gradient and optimizer-state bytes (see the module doc)."""
     counter = _Counter()
-    params = sum(counter.add([*part.parameters(), *_extra_params(part)]) for part in model_parts)
+    params = _param_bytes(counter, model_parts)
     grads = sum(counter.add(_grads(part)) for part in model_parts)
     optimizers = getattr(optimizer, "optimizers", [optimizer])
     state = [

@@ -26,6 +26,7 @@ from models import get_model_spec, model_args_for
 from parallelisms.compile import maybe_compile_loss
 from parallelisms.fsdp import mixed_precision_dtypes
 from parallelisms.init_weights import init_weights
+from parallelisms.layout_record import built_layout, summarize, write_layout
 from parallelisms.memory_report import memory_report
 from parallelisms.parallel_dims import ParallelDims, log_mesh
 from training.distributed import (
@@ -185,6 +186,10 @@ def run_training(
     model_parts, schedule, first, last = build_model_parts(
         cfg, parallel_dims, model_args, device, step_loss
     )
+    layout = built_layout(model_parts, parallel_dims, schedule)
+    if rank == 0:
+        write_layout(cfg.job.dump_folder, layout)
+    logger.info(summarize(layout))
     with torch.device("meta"):  # the whole model, also when this rank holds one PP stage
         whole = get_model_spec(cfg.model.name).model_cls(model_args)
     n_params, n_no_emb = count_params(whole), count_params(whole, exclude_embedding=True)
