@@ -150,27 +150,25 @@ class CheckpointManager:
         self.async_mode = self.ckpt.async_mode
         self.stager = None
         if self.async_mode == "async_with_pinned_mem":
-            device = next(self.model.parameters()).device
-            if device.type == "cuda" and torch.cuda.is_available():
-                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-                self.stager = DefaultStager(
-                    StagingOptions(
-                        use_pinned_memory=True,
-                        use_shared_memory=False,
-                        use_async_staging=True,
-                        use_non_blocking_copy=True,
-                    )
+            # The copy to host memory runs in the background while training continues: into
+            # pinned memory with non-blocking copies on CUDA; a plain background copy on CPU.
+            cuda = next(self.model.parameters()).device.type == "cuda"
+            self.stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=cuda,
+                    use_shared_memory=False,
+                    use_async_staging=True,
+                    use_non_blocking_copy=cuda,
                 )
-            else:
-                self._log(
-                    logging.INFO,
-                    "checkpoint.async_mode = async_with_pinned_mem needs a "
-                    "CUDA device (parameters are on %s): using async",
-                    device.type,
-                )
-                self.async_mode = "async"
+            )
         self.pending: _Pending | None = None
+        # The optimizer must not change the weights while a save still copies them: the wait
+        # is tied to the optimizer's step itself, so no training loop can forget it.
+        self._wait_before_step = optimizer.register_step_pre_hook(
+            lambda *_: self.maybe_wait_for_staging()
+        )
 
     # ----------------------------------------------------------------------------- helpers
     def _log(self, level: int, msg: str, *args) -> None:
@@ -332,8 +330,8 @@ class CheckpointManager:
         )
 
     def maybe_wait_for_staging(self) -> None:
-        """Call before the optimizer changes the weights: with pinned-memory async staging
-        the device-to-host copy of the last save may still be running."""
+        """Runs before every optimizer step (a step pre-hook): with async staging the copy of
+        the last save's weights to host memory may still be running."""
         if self.pending is not None and self.pending.staging is not None:
             self.pending.staging.result()
             self.pending.staging = None
@@ -433,6 +431,7 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
+            self._wait_before_step.remove()
             if self.stager is not None:
                 self.stager.close()
                 self.stager = None

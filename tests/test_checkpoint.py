@@ -117,7 +117,6 @@ class Run:
             tokens = torch.randint(0, 96, (2, 16), generator=gen)
             loss = self.forward(tokens).float().square().mean()
             loss.backward()
-            self.ckpt.maybe_wait_for_staging()
             self.opt.step()
             self.sched.step()
             self.opt.zero_grad()
@@ -370,3 +369,43 @@ def test_keep_latest_k_never_deletes_the_checkpoint_just_saved(tmp_path):
     older.train(3)  # saves step-3, older than the two newest
     names = sorted(p.name for p in (tmp_path / "copy/checkpoint").iterdir())
     assert names == ["step-3", "step-4", "step-6"]
+
+
+def test_optimizer_step_waits_for_the_async_copy(tmp_path, monkeypatch):
+    """With async staging the copy of the weights runs in the background; the optimizer's next
+    step waits for it (the checkpointer's step pre-hook), so a checkpoint holds the weights of
+    the step it names even when the copy is slower than a training step."""
+    import threading
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    from checkpoint.hf import read_dcp_model
+
+    run = Run(make_cfg(tmp_path, async_mode="async_with_pinned_mem", interval=100))
+    run.train(1, save=False)
+    real_stage, pool = run.ckpt.stager.stage, ThreadPoolExecutor(1)
+    stepped = threading.Event()
+    run.opt.register_step_post_hook(lambda *_: stepped.set())
+
+    def slow_stage(state_dict, **kwargs):
+        # The copy starts once an optimizer step has finished, or after 2 s: a step that does
+        # not wait for the copy then always lands in it, whatever the machine's speed.
+        def copy_later():
+            stepped.wait(timeout=2.0)
+            out = real_stage(state_dict, **kwargs)
+            return out.result() if isinstance(out, Future) else out
+
+        return pool.submit(copy_later)
+
+    monkeypatch.setattr(run.ckpt.stager, "stage", slow_stage)
+    before = params(run.parts[0])
+    stepped.clear()
+    run.ckpt.save(1)
+    run.train(2, save=False)
+    run.ckpt.close()
+    pool.shutdown()
+    saved = read_dcp_model(tmp_path / "checkpoint" / "step-1")
+    assert sorted(saved) == sorted(before)
+    changed = [k for k, v in params(run.parts[0]).items() if not torch.equal(v, before[k])]
+    assert changed, "training did not change the weights: the test would prove nothing"
+    for name, value in before.items():
+        assert torch.equal(saved[name], value), f"{name} was saved after the optimizer changed it"

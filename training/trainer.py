@@ -320,9 +320,7 @@ def run_training(
                 raise
             phases.mark("forward_backward")
             grad_norm = clip_grad_norm_(params, t.max_norm, pp_group)
-            if checkpointer is not None:  # an async save may still be copying the weights
-                checkpointer.maybe_wait_for_staging()
-            optimizer.step()
+            optimizer.step()  # waits first for an async save's copy (the checkpointer's hook)
             if state.step == first_step:  # grads and optimizer state both exist only now
                 held = memory_report(model_parts, optimizer)
                 logger.info("memory after step %d: %s", state.step, held)
