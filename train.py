@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from checkpoint import CheckpointError
-from config import ConfigError, JobConfig, config_to_toml, help_text, parse_args
+from config import ConfigError, JobConfig, config_notes, config_to_toml, help_text, parse_args
+from config.loader import Problems, check_layout_options, validate
 from models import get_model_spec, model_args_for
 from parallelisms.parallel_dims import ParallelDims, ParallelismError
 from parallelisms.pipeline import validate_pipeline_config
@@ -53,35 +54,43 @@ def setup_logging(dump_folder: str, rank: int) -> None:
 
 
 def check_config(cfg: JobConfig, world_size: int) -> ParallelDims:
-    """Every check that needs only the config and the world size, before any real work."""
+    """Every check that needs only the config and the world size, before any real work; the
+    independent problems are all reported in one error."""
+    problems = Problems(ConfigError, ParallelismError)
+    problems.run(validate, cfg)  # again after parse_args: cheap, and main skips it there
     try:  # an unknown model name or flavor
         args = model_args_for(cfg.model, cfg.training.seq_len, None)
     except ValueError as e:
-        raise ConfigError(str(e)) from None
-    p = cfg.parallelism
-    dims = ParallelDims.from_parallelism(p, world_size)
-    t = cfg.training
-    per_micro = t.local_batch_size * dims.dp
-    if t.global_batch_size != -1 and t.global_batch_size % per_micro:
-        raise ConfigError(
-            f"training.global_batch_size = {t.global_batch_size} must be a multiple of "
-            f"local_batch_size ({t.local_batch_size}) x data-parallel degree ({dims.dp}) = "
-            f"{per_micro}; the quotient is the number of gradient-accumulation steps."
+        problems.add(str(e))
+        args = None
+    p, t = cfg.parallelism, cfg.training
+    dims = problems.run(ParallelDims.from_parallelism, p, world_size)
+    if dims is not None:
+        per_micro = t.local_batch_size * dims.dp
+        if t.global_batch_size != -1 and t.global_batch_size % per_micro:
+            problems.add(
+                f"training.global_batch_size = {t.global_batch_size} must be a multiple of "
+                f"local_batch_size ({t.local_batch_size}) x data-parallel degree ({dims.dp}) = "
+                f"{per_micro}; the quotient is the number of gradient-accumulation steps."
+            )
+        if t.enable_cpu_offload and not (dims.dp_shard > 1 and dims.zero_stage == 3):
+            problems.add(
+                "training.enable_cpu_offload = true needs FSDP: zero_stage = 3 and "
+                f"data_parallel_shard_degree > 1 (got zero_stage {dims.zero_stage}, "
+                f"data_parallel_shard_degree {dims.dp_shard})."
+            )
+        check_layout_options(cfg, dims.dp_shard, dims.dp, problems)
+    if args is not None:
+        problems.run(check_tp, args.n_heads, args.kv_heads, t.seq_len, p.tensor_parallel_degree)
+        problems.run(
+            validate_pipeline_config,
+            p,
+            t.local_batch_size,
+            args.n_layers,
+            compile_model=cfg.compile.enable and "model" in cfg.compile.components,
+            device_type=device_type(t.device),
         )
-    if t.enable_cpu_offload and not (dims.dp_shard > 1 and dims.zero_stage == 3):
-        raise ConfigError(
-            "training.enable_cpu_offload = true needs FSDP: zero_stage = 3 and "
-            f"data_parallel_shard_degree > 1 (got zero_stage {dims.zero_stage}, "
-            f"data_parallel_shard_degree {dims.dp_shard})."
-        )
-    check_tp(args.n_heads, args.kv_heads, t.seq_len, dims.tp)
-    validate_pipeline_config(
-        p,
-        t.local_batch_size,
-        args.n_layers,
-        compile_model=cfg.compile.enable and "model" in cfg.compile.components,
-        device_type=device_type(t.device),
-    )
+    problems.raise_any()
     return dims
 
 
@@ -169,14 +178,16 @@ def main(argv: list[str] | None = None) -> int:
         print(help_text())
         return 0
     try:
-        cfg = parse_args(argv)
+        cfg = parse_args(argv, check=False)  # checked below, with the layout: one message
         if cfg.job.dry_run:  # the layout is for the real cluster, not this process
+            validate(cfg)
             dry_run(cfg)
             return 0
         rank, local_rank, world_size = launch_env()
         if cfg.checkpoint.create_seed_checkpoint:  # one CPU process, whatever the layout
             from checkpoint.seed import create_seed_checkpoint
 
+            validate(cfg)
             setup_logging(cfg.job.dump_folder, rank)
             create_seed_checkpoint(cfg, world_size)
             return 0
@@ -191,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         text = config_to_toml(cfg)
         Path(cfg.job.dump_folder, "config.toml").write_text(text)
         logger.info("resolved config (also in %s/config.toml):\n%s", cfg.job.dump_folder, text)
+    for note in config_notes(cfg):
+        logger.info("config: %s", note)
     if cfg.job.description:
         logger.info("job: %s", cfg.job.description)
 

@@ -1,6 +1,21 @@
 """Typed job configuration: schema (dataclasses) and loading (TOML + command line)."""
 
-from config.loader import ConfigError, config_to_toml, help_text, parse_args, validate
+from config.loader import (
+    ConfigError,
+    config_notes,
+    config_to_toml,
+    help_text,
+    parse_args,
+    validate,
+)
 from config.schema import JobConfig
 
-__all__ = ["ConfigError", "JobConfig", "config_to_toml", "help_text", "parse_args", "validate"]
+__all__ = [
+    "ConfigError",
+    "JobConfig",
+    "config_notes",
+    "config_to_toml",
+    "help_text",
+    "parse_args",
+    "validate",
+]

@@ -8,6 +8,7 @@ allowed.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import sys
@@ -28,6 +29,37 @@ CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 class ConfigError(ValueError):
     """A config problem, reported to the user as one message before any expensive work."""
+
+
+class Problems:
+    """Collects independent config errors, so that one message reports all of them."""
+
+    def __init__(self, *catch: type[Exception]):
+        self.catch = catch or (ConfigError,)
+        self.errors: list[Exception] = []
+
+    def add(self, error: Exception | str) -> None:
+        """Records an error; a message becomes the first caught kind (ConfigError)."""
+        self.errors.append(self.catch[0](error) if isinstance(error, str) else error)
+
+    def run(self, check, *args, **kwargs):
+        """`check(...)`'s result, or None after recording the error it raised."""
+        try:
+            return check(*args, **kwargs)
+        except self.catch as e:
+            self.errors.extend(getattr(e, "problems", [e]))
+            return None
+
+    def raise_any(self) -> None:
+        """Raises a single error as it is, or one ConfigError numbering them all."""
+        if len(self.errors) == 1:
+            raise self.errors[0]
+        if self.errors:
+            lines = [f"{len(self.errors)} config errors:"]
+            lines += [f"  {i}. {e}" for i, e in enumerate(self.errors, 1)]
+            error = ConfigError("\n".join(lines))
+            error.problems = list(self.errors)
+            raise error
 
 
 def _suggest(name: str, choices: list[str]) -> str:
@@ -189,10 +221,11 @@ def _apply_toml(cfg: JobConfig, path: Path) -> None:
             _set(cfg, section, key, value, str(path))
 
 
-def parse_args(argv: list[str]) -> JobConfig:
-    """Builds the config from `--config NAME_OR_PATH` and `--section.key value` overrides."""
+def parse_args(argv: list[str], *, check: bool = True) -> JobConfig:
+    """Builds the config from `--config NAME_OR_PATH` and `--section.key value` overrides;
+    `check=False` leaves the cross-field checks to a later `validate` (only parse errors)."""
     cfg = JobConfig()
-    config_name, overrides = None, []
+    config_name, overrides, cli_keys = None, [], set()
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -227,78 +260,291 @@ def parse_args(argv: list[str]) -> JobConfig:
         if dataclasses.is_dataclass(sec_obj) and key in _fields(sec_obj):
             tp = _type_hints(type(sec_obj))[key]
         _set(cfg, section, key, _parse_cli_value(text, tp) if tp else text, "the command line")
-    validate(cfg)
+        cli_keys.add(name)
+    cfg._cli_keys = cli_keys  # see _given: who set a value decides whether it was ignored
+    if check:
+        validate(cfg)
     return cfg
 
 
+_DEFAULTS = JobConfig()
+# The suffixes that name one file dataset (as data.sources.FILE_EXTENSIONS reads them).
+_SUFFIX_DATASETS = {".txt": "text", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+_PIPELINE_KEYS = [
+    f"parallelism.pipeline_parallel_{k}"
+    for k in ("schedule", "microbatch_size", "layers_per_stage", "split_points")
+]
+
+
+def _value(cfg: JobConfig, name: str) -> Any:
+    section, _, key = name.partition(".")
+    return getattr(getattr(cfg, section), key)
+
+
+def _given(cfg: JobConfig, keys: list[str], because: list[str]) -> list[str]:
+    """The `keys` the user set to a non-default value (in the preset or on the command line).
+
+    Left out: preset values whose feature the command line switched off, i.e. a key in
+    `because` (the options that make `keys` moot) was given there: `--validation.enable false`
+    on a preset that sets validation.freq says what the user wants. A config built in code
+    (no `_cli_keys`) counts every non-default value as given.
+    """
+    cli = getattr(cfg, "_cli_keys", set())
+    excused = any(k in cli for k in because)
+    return [k for k in keys if _value(cfg, k) != _value(_DEFAULTS, k) and (k in cli or not excused)]
+
+
+def _unused(problems: Problems, cfg, keys, because, reason: str, fix: str) -> None:
+    """One error naming the given `keys` that have no effect because of `reason`."""
+    names = _given(cfg, keys, because)
+    if names:
+        one = len(names) == 1
+        effect, drop = ("it has", "it") if one else ("they have", "them")
+        message = (
+            f"{', '.join(names)} set but {reason}, so {effect} no effect: {fix} (or drop {drop})."
+        )
+        _add_ignored(problems, names, message)
+
+
+def _add_ignored(problems: Problems, names: list[str], message: str) -> None:
+    error = ConfigError(message)
+    error.ignored = names  # for ignored_options
+    problems.add(error)
+
+
+def ignored_options(cfg: JobConfig) -> set[str]:
+    """The non-default options that have no effect in `cfg`, whoever set them (validate
+    excuses a preset's, see _given): as if every value had been typed on the command line.
+    Repeated with those at their defaults until none is left, since one (validation.enable,
+    say) can be what made others count."""
+    probe = copy.deepcopy(cfg)
+    probe._cli_keys = {f"{s}.{k}" for s, keys in config_to_dict(cfg).items() for k in keys}
+    ignored: set[str] = set()
+    while True:
+        problems = Problems()
+        _check_unused(probe, problems)
+        new = {name for e in problems.errors for name in getattr(e, "ignored", ())} - ignored
+        if not new:
+            return ignored
+        ignored |= new
+        for name in new:
+            section, _, key = name.partition(".")
+            setattr(getattr(probe, section), key, copy.deepcopy(_value(_DEFAULTS, name)))
+
+
+def config_notes(cfg: JobConfig) -> list[str]:
+    """What validation inferred (e.g. a dataset kind from a path's suffix), for the run log."""
+    return getattr(cfg, "_notes", [])
+
+
+def _check_dataset_path(cfg: JobConfig, problems: Problems, section: str) -> None:
+    """A dataset_path given with the sample dataset, which reads no path: infer the file kind
+    from an unambiguous suffix unless the command line chose 'sample', else reject."""
+    sec = getattr(cfg, section)
+    kind_key, path_key = f"{section}.dataset", f"{section}.dataset_path"
+    if (sec.dataset or cfg.training.dataset) != "sample":
+        return
+    if not _given(cfg, [path_key], [kind_key, "training.dataset"]):
+        return
+    path = sec.dataset_path
+    kind = _SUFFIX_DATASETS.get(Path(path).suffix.lower())
+    if kind and kind_key not in getattr(cfg, "_cli_keys", set()):
+        sec.dataset = kind
+        cfg._notes = [
+            *config_notes(cfg),
+            f"{kind_key} = '{kind}' inferred from {path_key} = '{path}' (the sample "
+            "dataset reads no path)",
+        ]
+        return
+    why = "" if kind else f" (the path does not say which: {', '.join(_SUFFIX_DATASETS)} do)"
+    as_training = "" if sec.dataset else ", as training.dataset = 'sample'"
+    _add_ignored(
+        problems,
+        [path_key],
+        f"{path_key} = '{path}' set but {kind_key} = '{sec.dataset}'{as_training} (the "
+        f"bundled sample corpus), so the path is ignored: set {kind_key} to one of text, "
+        f"jsonl, parquet, huggingface{why}, or drop {path_key}.",
+    )
+
+
+def _check_unused(cfg: JobConfig, problems: Problems) -> None:
+    """Options set by the user that the rest of the config ignores (see _given)."""
+    t, v, p, ck, prof = cfg.training, cfg.validation, cfg.parallelism, cfg.checkpoint, cfg.profiling
+    _check_dataset_path(cfg, problems, "training")
+    if v.enable:
+        _check_dataset_path(cfg, problems, "validation")
+    ac_mode, lr, opt = cfg.activation_checkpoint.mode, cfg.lr_scheduler, cfg.optimizer
+    kinds = {t.dataset} | ({v.dataset or t.dataset} if v.enable else set())
+    seed_folder = "" if ck.create_seed_checkpoint else "checkpoint.folder "  # the seed's folder
+    steps = f"training.steps = {t.steps} ends the run first"
+    # fmt: off
+    rules = [  # (when, the keys then ignored, the keys that make them so, why, fix)
+        (not v.enable, "validation.dataset validation.dataset_path validation.freq "
+         "validation.steps", "validation.enable", "validation.enable = false",
+         "set validation.enable = true"),
+        (v.enable and v.freq > t.steps, "validation.enable validation.freq", "training.steps",
+         f"validation.freq = {v.freq} > {steps}", "lower validation.freq"),
+        (not kinds & {"jsonl", "parquet", "huggingface"}, "training.dataset_text_field",
+         "training.dataset validation.dataset validation.enable",
+         f"training.dataset = '{t.dataset}' (no records)", "use jsonl, parquet or huggingface"),
+        (p.pipeline_parallel_degree == 1, " ".join(_PIPELINE_KEYS),
+         "parallelism.pipeline_parallel_degree", "parallelism.pipeline_parallel_degree = 1",
+         "set pipeline_parallel_degree > 1"),
+        (p.tensor_parallel_degree == 1, "parallelism.disable_loss_parallel",
+         "parallelism.tensor_parallel_degree", "parallelism.tensor_parallel_degree = 1 "
+         "(loss parallelism is TP's)", "set tensor_parallel_degree > 1"),
+        (p.zero_stage < 3, "parallelism.fsdp_reshard_after_forward", "parallelism.zero_stage",
+         f"parallelism.zero_stage = {p.zero_stage} (no FSDP)", "set zero_stage = 3"),
+        (not cfg.compile.enable, "compile.components", "compile.enable",
+         "compile.enable = false", "set compile.enable = true"),
+        (ac_mode != "selective", "activation_checkpoint.selective_ac_option",
+         "activation_checkpoint.mode", f"activation_checkpoint.mode = '{ac_mode}'",
+         "set activation_checkpoint.mode = 'selective'"),
+        (not ck.enable, f"{seed_folder}checkpoint.interval checkpoint.keep_latest_k "
+         "checkpoint.async_mode checkpoint.model_only checkpoint.export_dtype",
+         "checkpoint.enable", "checkpoint.enable = false (nothing is saved)",
+         "set checkpoint.enable = true"),
+        (ck.enable and not ck.model_only, "checkpoint.export_dtype", "checkpoint.model_only",
+         "checkpoint.model_only = false (no export)", "set checkpoint.model_only = true"),
+        (ck.enable and ck.load_step >= 0, "checkpoint.initial_load_path", "checkpoint.load_step",
+         f"checkpoint.load_step = {ck.load_step} (it resumes from the run's own folder)",
+         "unset load_step to start from the path"),
+        (ck.enable and ck.load_step < 0 and not ck.initial_load_path,
+         "checkpoint.initial_load_model_only", "checkpoint.initial_load_path",
+         "checkpoint.initial_load_path = ''", "set checkpoint.initial_load_path"),
+        (lr.decay_type == "constant", "lr_scheduler.decay_ratio lr_scheduler.min_lr_factor",
+         "lr_scheduler.decay_type", "lr_scheduler.decay_type = 'constant'",
+         "choose linear, sqrt or cosine"),
+        (opt.name == "Adam", "optimizer.weight_decay optimizer.no_decay_patterns",
+         "optimizer.name", "optimizer.name = 'Adam' (no weight decay)", "use 'AdamW'"),
+        (opt.name == "AdamW" and opt.weight_decay == 0, "optimizer.no_decay_patterns",
+         "optimizer.weight_decay", "optimizer.weight_decay = 0", "set a weight decay"),
+        (not cfg.metrics.enable_tensorboard, "metrics.save_tb_folder",
+         "metrics.enable_tensorboard", "metrics.enable_tensorboard = false",
+         "set metrics.enable_tensorboard = true"),
+        (not prof.enable_profiling, "profiling.save_traces_folder profiling.profile_freq "
+         "profiling.profiler_warmup profiling.profiler_active", "profiling.enable_profiling",
+         "profiling.enable_profiling = false", "set profiling.enable_profiling = true"),
+        (prof.enable_profiling and prof.profile_freq > t.steps,
+         "profiling.enable_profiling profiling.profile_freq", "training.steps",
+         f"profiling.profile_freq = {prof.profile_freq} > {steps}", "lower profile_freq"),
+        (not prof.enable_memory_snapshot, "profiling.save_memory_snapshot_folder "
+         "profiling.memory_snapshot_step", "profiling.enable_memory_snapshot",
+         "profiling.enable_memory_snapshot = false",
+         "set profiling.enable_memory_snapshot = true"),
+        (prof.enable_memory_snapshot and prof.memory_snapshot_step > t.steps,
+         "profiling.memory_snapshot_step", "training.steps", steps, "lower it"),
+        (not cfg.job.dry_run, "job.simulate_world_size", "job.dry_run", "job.dry_run = false",
+         "add --job.dry_run"),
+        (cfg.debug.fail_at_step > t.steps, "debug.fail_at_step", "training.steps", steps,
+         "lower it"),
+    ]
+    # fmt: on
+    for when, keys, because, reason, fix in rules:
+        if when:
+            _unused(problems, cfg, keys.split(), because.split(), reason, fix)
+    if not ck.enable:
+        loads = "initial_load_path initial_load_model_only load_step exclude_from_loading"
+        names = _given(cfg, [f"checkpoint.{k}" for k in loads.split()], ["checkpoint.enable"])
+        if names:  # this wording is older than _unused's
+            _add_ignored(
+                problems,
+                names,
+                f"{', '.join(names)} set but checkpoint.enable = false, so nothing would be "
+                "loaded: set checkpoint.enable = true (or drop the option).",
+            )
+
+
+def check_layout_options(cfg: JobConfig, dp_shard: int, dp: int, problems: Problems) -> None:
+    """Options that the data-parallel layout, known once the world size is, ignores."""
+    degrees = (
+        "data_parallel_shard",
+        "data_parallel_replicate",
+        "tensor_parallel",
+        "pipeline_parallel",
+    )
+    layout = ["parallelism.zero_stage"] + [f"parallelism.{k}_degree" for k in degrees]
+    fsdp = ["parallelism.fsdp_reshard_after_forward"] if cfg.parallelism.zero_stage == 3 else []
+    if dp == 1:
+        _unused(
+            problems,
+            cfg,
+            ["parallelism.zero_stage", "training.mixed_precision_reduce", *fsdp],
+            layout,
+            "the data-parallel degree is 1 (no gradient reduction, nothing to shard)",
+            "use more ranks or a data_parallel_shard_degree > 1 (or drop them)",
+        )
+    elif dp_shard == 1:
+        _unused(
+            problems,
+            cfg,
+            fsdp,
+            layout,
+            "data_parallel_shard_degree = 1 (replicas only: DDP, no FSDP)",
+            "shard over more than one rank (or drop it)",
+        )
+
+
 def validate(cfg: JobConfig) -> None:
-    """Cross-field checks that need no process group (world-size checks live in parallel_dims)."""
+    """Cross-field checks that need no process group (world-size checks live in parallel_dims).
+
+    Every independent problem is collected and reported in one ConfigError."""
+    problems = Problems()
+    _check_unused(cfg, problems)
     t = cfg.training
     if t.global_batch_size == 0:
-        raise ConfigError(
+        problems.add(
             "training.global_batch_size = 0: use -1 (local_batch_size x DP degree) or a "
             "positive multiple of local_batch_size x DP degree."
         )
     if cfg.parallelism.pipeline_parallel_layers_per_stage == 0:
-        raise ConfigError(
+        problems.add(
             "parallelism.pipeline_parallel_layers_per_stage = 0: use -1 (split the layers "
             "evenly) or a positive number of layers per stage."
         )
     if t.global_batch_size != -1 and t.global_batch_size % t.local_batch_size:
-        raise ConfigError(
+        problems.add(
             f"training.global_batch_size = {t.global_batch_size} must be a multiple of "
             f"training.local_batch_size = {t.local_batch_size} (or -1)."
         )
     if t.dataset != "sample" and not t.dataset_path:
-        raise ConfigError(
+        problems.add(
             f"training.dataset = '{t.dataset}' needs training.dataset_path (a file, glob or "
             "folder, or the Hugging Face dataset name); or use dataset = 'sample'."
         )
     v = cfg.validation
     if v.enable and (v.dataset or t.dataset) in ("text", "jsonl", "parquet") and not v.dataset_path:
-        raise ConfigError(
+        problems.add(
             f"validation.enable with {v.dataset or t.dataset} files needs "
             "validation.dataset_path: local files have no held-out split, so validating on "
             "training.dataset_path would measure the training data. Point it at held-out "
             "files, or set validation.enable = false."
         )
-    ck = cfg.checkpoint
-    if not ck.enable:
-        loads = {
-            "initial_load_path": ck.initial_load_path != "",
-            "load_step": ck.load_step != -1,
-            "exclude_from_loading": bool(ck.exclude_from_loading),
-        }
-        if any(loads.values()):
-            names = ", ".join(f"checkpoint.{k}" for k, on in loads.items() if on)
-            raise ConfigError(
-                f"{names} set but checkpoint.enable = false, so nothing would be loaded: "
-                "set checkpoint.enable = true (or drop the option)."
-            )
     ac = cfg.activation_checkpoint
     if ac.mode == "selective" and ac.selective_ac_option != "op":
         if not ac.selective_ac_option.isdigit() or int(ac.selective_ac_option) < 1:
-            raise ConfigError(
+            problems.add(
                 f"activation_checkpoint.selective_ac_option = '{ac.selective_ac_option}' is "
                 "invalid: expected 'op' or a positive integer N (checkpoint every N-th block)."
             )
     for comp in cfg.compile.components:
         if comp not in ("model", "loss"):
-            raise ConfigError(
+            problems.add(
                 f"compile.components contains '{comp}': allowed entries are 'model' and 'loss'."
             )
     if cfg.parallelism.context_parallel_degree != 1:
-        raise ConfigError(
+        problems.add(
             f"parallelism.context_parallel_degree = {cfg.parallelism.context_parallel_degree}: "
             "context parallelism is reserved and not supported yet; set it to 1."
         )
     prof = cfg.profiling
     if prof.enable_profiling and prof.profiler_warmup + prof.profiler_active > prof.profile_freq:
-        raise ConfigError(
+        problems.add(
             f"profiling.profiler_warmup ({prof.profiler_warmup}) + profiler_active "
             f"({prof.profiler_active}) must not exceed profiling.profile_freq "
             f"({prof.profile_freq}): each window ends at a multiple of profile_freq."
         )
+    problems.raise_any()
 
 
 def config_to_dict(cfg: JobConfig) -> dict[str, dict[str, Any]]:
@@ -306,13 +552,16 @@ def config_to_dict(cfg: JobConfig) -> dict[str, dict[str, Any]]:
 
 
 def config_to_toml(cfg: JobConfig) -> str:
-    """Serialises the resolved config as TOML (None values are written as comments)."""
-    lines = []
+    """Serialises the resolved config as TOML. None values, and values that have no effect in
+    this config (so that the file loads again as a preset), are written as comments."""
+    lines, ignored = [], ignored_options(cfg)
     for section, values in config_to_dict(cfg).items():
         lines.append(f"[{section}]")
         for key, value in values.items():
             if value is None:
                 lines.append(f"# {key} = None")
+            elif f"{section}.{key}" in ignored:
+                lines.append(f"# {key} = {_toml_value(value)}  # no effect in this config")
             else:
                 lines.append(f"{key} = {_toml_value(value)}")
         lines.append("")

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from config.loader import Problems
+
 logger = logging.getLogger("meshtrain")
 
 
@@ -42,38 +44,42 @@ class ParallelDims:
         pp: int,
         zero_stage: int = 3,
     ) -> ParallelDims:
-        """Resolves dp_shard = -1 and checks that the degrees multiply to the world size."""
+        """Resolves dp_shard = -1 and checks that the degrees multiply to the world size;
+        raises every problem found at once."""
+        problems = Problems(ParallelismError)
         fixed = dp_replicate * tp * pp
         if dp_shard == -1:
             if world_size % fixed:
-                raise ParallelismError(
+                problems.add(
                     f"World size {world_size} is not divisible by pipeline_parallel_degree "
                     f"({pp}) x data_parallel_replicate_degree ({dp_replicate}) x "
                     f"tensor_parallel_degree ({tp}) = {fixed}, so "
                     "data_parallel_shard_degree = -1 cannot fill the rest. Change the degrees "
                     "or the number of ranks."
                 )
-            dp_shard = world_size // fixed
+            else:
+                dp_shard = world_size // fixed
         product = fixed * dp_shard
-        if product != world_size:
-            raise ParallelismError(
+        if dp_shard != -1 and product != world_size:
+            problems.add(
                 f"Parallel degrees multiply to {product}, not the world size {world_size}: "
                 f"pipeline ({pp}) x data_parallel_replicate ({dp_replicate}) x "
                 f"data_parallel_shard ({dp_shard}) x tensor ({tp}) = {product}. Make the "
                 f"product {world_size}, or set data_parallel_shard_degree = -1."
             )
         if zero_stage < 3 and dp_replicate > 1:
-            raise ParallelismError(
+            problems.add(
                 f"parallelism.zero_stage = {zero_stage} with data_parallel_replicate_degree = "
                 f"{dp_replicate}: HSDP (replicate x shard) is ZeRO-3 only. Use "
                 "data_parallel_shard_degree for ZeRO-0/1/2, or zero_stage = 3."
             )
         if zero_stage in (1, 2) and tp > 1 and dp_shard > 1:
-            raise ParallelismError(
+            problems.add(
                 f"parallelism.zero_stage = {zero_stage} with tensor_parallel_degree = {tp}: "
                 "ZeRO-1/2 shard plain replicated parameters, not TP-sharded ones. Use "
                 "zero_stage = 3 (FSDP over TP) or 0 (DDP over TP)."
             )
+        problems.raise_any()
         return cls(dp_replicate, dp_shard, tp, pp, world_size, zero_stage)
 
     @classmethod

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from config.loader import Problems
 from parallelisms.parallel_dims import ParallelismError
 
 # Schedules whose stages sit on ranks in a V (rank r holds stages r and 2*pp - 1 - r), so the
@@ -216,24 +217,32 @@ def validate_pipeline_config(
     torch_version: str = torch.__version__,
 ) -> None:
     """Every pipeline check that needs only the config: schedule name, stage plan, microbatch
-    count, compile and torch-version compatibility. A no-op without pipeline parallelism."""
+    count, compile and torch-version compatibility, all reported at once (an unknown schedule
+    name alone, since the others depend on it). A no-op without pipeline parallelism."""
     pp = parallelism.pipeline_parallel_degree
     if pp <= 1:
         return
     name = parallelism.pipeline_parallel_schedule
-    stages = plan_stage_layers(
+    cls = schedule_class(name)
+    problems = Problems(ParallelismError)
+    stages = problems.run(
+        plan_stage_layers,
         n_layers,
         pp,
         name,
         layers_per_stage=parallelism.pipeline_parallel_layers_per_stage,
         split_points=parallelism.pipeline_parallel_split_points,
     )
-    microbatch_count(
-        name, local_batch_size, parallelism.pipeline_parallel_microbatch_size, pp, len(stages)
+    problems.run(
+        microbatch_count,
+        name,
+        local_batch_size,
+        parallelism.pipeline_parallel_microbatch_size,
+        pp,
+        len(stages) if stages else 0,  # without a plan, the checks that need no stage count
     )
-    cls = schedule_class(name)
     if compile_model and cls.__name__ in _SPLIT_BACKWARD_SCHEDULES:
-        raise ParallelismError(
+        problems.add(
             f"{cls.__name__} splits backward into input and weight passes, which torch does "
             "not support on compiled stages: disable compile.enable (or drop 'model' from "
             "compile.components) or pick 1F1B, GPipe, Interleaved1F1B or LoopedBFS."
@@ -243,11 +252,12 @@ def validate_pipeline_config(
         and device_type == "cpu"
         and not v_schedules_on_gloo(torch_version)
     ):
-        raise ParallelismError(
+        problems.add(
             f"{cls.__name__} on CPU (gloo) needs torch >= 2.13: torch {torch_version} sends "
             "between two stages on the same rank, which gloo cannot do. Upgrade torch, or "
             "pick Interleaved1F1B, LoopedBFS or InterleavedZeroBubble."
         )
+    problems.raise_any()
 
 
 def split_module(model: nn.Module, keep: Sequence[str]) -> nn.Module:

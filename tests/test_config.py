@@ -1,5 +1,6 @@
 """Config loading: presets, overrides, --help, and every error path names the bad input."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -7,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from config import ConfigError, JobConfig, config_to_toml, help_text, parse_args
+from config import ConfigError, JobConfig, config_notes, config_to_toml, help_text, parse_args
 from config.loader import CONFIGS_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,6 +51,7 @@ def test_overrides_of_every_type():
             "--metrics.enable_tensorboard",
             "false",
             "--job.dry_run",
+            "--compile.enable",  # a bare flag; components alone would be ignored (rejected)
             "--compile.components",
             "model",
             "--optimizer.no_decay_patterns",
@@ -62,7 +64,7 @@ def test_overrides_of_every_type():
     assert cfg.optimizer.lr == 0.01
     assert cfg.metrics.enable_tensorboard is False
     assert cfg.job.dry_run is True
-    assert cfg.compile.components == ["model"]
+    assert cfg.compile.enable is True and cfg.compile.components == ["model"]
     assert cfg.optimizer.no_decay_patterns == ["norm", "bias"]
     assert cfg.lr_scheduler.decay_ratio is None
 
@@ -199,3 +201,189 @@ def test_dry_run_405b_counts_parameters_in_seconds():
     assert out.returncode == 0, out.stderr
     count = int(out.stdout.split("parameters")[0].split(":")[-1].replace(",", "").strip())
     assert abs(count - 405.8e9) / 405.8e9 < 0.01
+
+
+# --- options the rest of the config ignores are errors ----------------------------------------
+
+PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--training.dataset_path", "/my/corpus"],
+         "training.dataset_path = '/my/corpus' set but training.dataset = 'sample'"),
+        (["--training.dataset", "sample", "--training.dataset_path", "a.jsonl"],
+         "set training.dataset to one of text, jsonl, parquet, huggingface"),
+        (["--training.dataset_text_field", "body"], "training.dataset_text_field set but"),
+        (["--validation.freq", "5"], "validation.freq set but validation.enable = false"),
+        (["--validation.enable", "--validation.dataset_path", "/my/held_out"],
+         "validation.dataset_path = '/my/held_out' set but validation.dataset = '', as "
+         "training.dataset = 'sample'"),
+        (["--validation.enable", "--training.steps", "50"],
+         "validation.enable set but validation.freq = 100 > training.steps = 50"),
+        (["--parallelism.pipeline_parallel_schedule", "GPipe"],
+         "parallelism.pipeline_parallel_schedule set but parallelism.pipeline_parallel_degree "
+         "= 1, so it has no effect: set pipeline_parallel_degree > 1 (or drop it)"),
+        (["--parallelism.pipeline_parallel_microbatch_size", "2",
+          "--parallelism.pipeline_parallel_split_points", "layers.1"],
+         "parallelism.pipeline_parallel_microbatch_size, "
+         "parallelism.pipeline_parallel_split_points set but"),
+        (["--parallelism.pipeline_parallel_layers_per_stage", "2"], "layers_per_stage set but"),
+        (["--parallelism.disable_loss_parallel"],
+         "parallelism.disable_loss_parallel set but parallelism.tensor_parallel_degree = 1"),
+        (["--parallelism.zero_stage", "2", "--parallelism.fsdp_reshard_after_forward", "never"],
+         "parallelism.fsdp_reshard_after_forward set but parallelism.zero_stage = 2"),
+        (["--compile.components", "loss"], "compile.components set but compile.enable = false"),
+        (["--activation_checkpoint.mode", "full", "--activation_checkpoint.selective_ac_option",
+          "op"], "activation_checkpoint.selective_ac_option set but activation_checkpoint.mode"),
+        (["--checkpoint.interval", "5", "--checkpoint.folder", "ck"],
+         "checkpoint.folder, checkpoint.interval set but checkpoint.enable = false"),
+        (["--checkpoint.initial_load_model_only", "false"],
+         "checkpoint.initial_load_model_only set but checkpoint.enable = false, so nothing "
+         "would be loaded"),
+        (["--checkpoint.enable", "--checkpoint.export_dtype", "bfloat16"],
+         "checkpoint.export_dtype set but checkpoint.model_only = false"),
+        (["--checkpoint.enable", "--checkpoint.load_step", "5", "--checkpoint.initial_load_path",
+          "x"], "checkpoint.initial_load_path set but checkpoint.load_step = 5"),
+        (["--checkpoint.enable", "--checkpoint.initial_load_model_only", "false"],
+         "checkpoint.initial_load_model_only set but checkpoint.initial_load_path = ''"),
+        (["--lr_scheduler.decay_type", "constant", "--lr_scheduler.min_lr_factor", "0.1"],
+         "lr_scheduler.min_lr_factor set but lr_scheduler.decay_type = 'constant'"),
+        (["--optimizer.name", "Adam", "--optimizer.weight_decay", "0.05"],
+         "optimizer.weight_decay set but optimizer.name = 'Adam'"),
+        (["--optimizer.weight_decay", "0", "--optimizer.no_decay_patterns", "bias"],
+         "optimizer.no_decay_patterns set but optimizer.weight_decay = 0"),
+        (["--metrics.enable_tensorboard", "false", "--metrics.save_tb_folder", "x"],
+         "metrics.save_tb_folder set but metrics.enable_tensorboard = false"),
+        (["--profiling.profile_freq", "10"],
+         "profiling.profile_freq set but profiling.enable_profiling = false"),
+        (["--profiling.enable_profiling", "--training.steps", "50"],
+         "profiling.enable_profiling set but profiling.profile_freq = 100 > training.steps"),
+        (["--profiling.memory_snapshot_step", "3"],
+         "profiling.memory_snapshot_step set but profiling.enable_memory_snapshot = false"),
+        (["--profiling.enable_memory_snapshot", "--profiling.memory_snapshot_step", "20",
+          "--training.steps", "10"], "profiling.memory_snapshot_step set but training.steps"),
+        (["--job.simulate_world_size", "8"], "job.simulate_world_size set but job.dry_run"),
+        (["--debug.fail_at_step", "20", "--training.steps", "10"],
+         "debug.fail_at_step set but training.steps = 10 ends the run first"),
+    ],
+)  # fmt: skip
+def test_ignored_options_are_rejected_naming_both_keys(argv, expected):
+    with pytest.raises(ConfigError) as e:
+        parse_args(argv)
+    assert expected in str(e.value)
+
+
+def test_options_count_only_when_set_to_a_non_default_value():
+    cfg = parse_args(["--checkpoint.interval", "500", "--parallelism.pipeline_parallel_schedule",
+                      "1F1B", "--validation.freq", "100"])  # the defaults  # fmt: skip
+    assert cfg.checkpoint.enable is False
+
+
+def test_a_preset_option_switched_off_on_the_command_line_is_not_an_error(tmp_path):
+    # debug_model sets validation.freq/steps and a cosine min_lr_factor
+    cfg = parse_args(["--config", "debug_model", "--validation.enable", "false",
+                      "--lr_scheduler.decay_type", "constant"])  # fmt: skip
+    assert cfg.validation.freq == 50
+    # but a preset that sets an option its own settings ignore is rejected
+    preset = tmp_path / "p.toml"
+    preset.write_text("[checkpoint]\nenable = false\ninterval = 50\n")
+    with pytest.raises(ConfigError, match="checkpoint.interval set but checkpoint.enable"):
+        parse_args(["--config", str(preset)])
+    # and so is a command-line option whose feature the command line switched off
+    with pytest.raises(ConfigError, match="validation.freq set but validation.enable"):
+        parse_args(["--config", "debug_model", "--validation.enable", "false",
+                    "--validation.freq", "10"])  # fmt: skip
+
+
+def test_resolved_config_comments_out_what_has_no_effect(tmp_path):
+    cfg = parse_args(["--config", "debug_model", "--validation.enable", "false"])
+    text = config_to_toml(cfg)
+    assert "# freq = 50  # no effect in this config" in text
+    out = tmp_path / "resolved.toml"
+    out.write_text(text)
+    assert parse_args(["--config", str(out)]).validation.enable is False
+
+
+@pytest.mark.parametrize(
+    "path, kind", [("/data/c4.jsonl", "jsonl"), ("/data/*.parquet", "parquet"), ("a.txt", "text")]
+)
+def test_a_file_suffix_names_the_dataset_and_the_log_says_so(path, kind):
+    cfg = parse_args(["--config", "debug_model", "--validation.enable", "false",
+                      "--training.dataset_path", path])  # fmt: skip
+    assert cfg.training.dataset == kind
+    assert config_notes(cfg) == [
+        f"training.dataset = '{kind}' inferred from training.dataset_path = '{path}' (the "
+        "sample dataset reads no path)"
+    ]
+    cfg = parse_args(["--validation.enable", "--validation.dataset_path", path])
+    assert (cfg.training.dataset, cfg.validation.dataset) == ("sample", kind)
+
+
+def test_suffixes_match_the_data_readers():
+    from config.loader import _SUFFIX_DATASETS
+    from data.sources import FILE_EXTENSIONS
+
+    assert {s: k for k, suffixes in FILE_EXTENSIONS.items() for s in suffixes} == _SUFFIX_DATASETS
+
+
+def test_several_errors_are_reported_in_one_numbered_message():
+    argv = ["--training.dataset", "jsonl", "--parallelism.context_parallel_degree", "2",
+            "--compile.components", "loss"]  # fmt: skip
+    with pytest.raises(ConfigError) as e:
+        parse_args(argv)
+    text = str(e.value)
+    assert text.startswith("3 config errors:\n")
+    assert "\n  1. compile.components set but" in text
+    assert "\n  2. training.dataset = 'jsonl' needs training.dataset_path" in text
+    assert "\n  3. parallelism.context_parallel_degree = 2" in text
+
+
+def test_layout_errors_are_reported_together_with_the_config_errors():
+    from train import check_config
+
+    cfg = parse_args(["--config", "tests/tiny_model.toml", *PP2,
+                      "--parallelism.pipeline_parallel_schedule", "Nope",
+                      "--parallelism.tensor_parallel_degree", "2", "--model.n_kv_heads", "1",
+                      "--profiling.profile_freq", "3"], check=False)  # fmt: skip
+    with pytest.raises(ConfigError) as e:
+        check_config(cfg, world_size=3)
+    text = str(e.value)
+    assert text.startswith("4 config errors:\n")
+    for part in ("profiling.profile_freq set but", "World size 3 is not divisible",
+                 "must divide n_kv_heads = 1", "Unknown schedule name"):  # fmt: skip
+        assert part in text
+    cfg = parse_args(["--config", "tests/tiny_model.toml", *PP2, "--model.n_layers", "4",
+                      "--parallelism.pipeline_parallel_microbatch_size", "3",
+                      "--parallelism.pipeline_parallel_layers_per_stage", "1",
+                      "--parallelism.zero_stage", "1",
+                      "--parallelism.data_parallel_replicate_degree", "2"])  # fmt: skip
+    with pytest.raises(ConfigError) as e:
+        check_config(cfg, world_size=5)
+    text = str(e.value)
+    assert text.startswith("4 config errors:\n")
+    for part in ("World size 5 is not divisible", "HSDP (replicate x "
+                 "shard) is ZeRO-3 only", "exactly 2 stages", "does not divide"):  # fmt: skip
+        assert part in text
+
+
+@pytest.mark.parametrize(
+    "world, argv, expected",
+    [
+        (1, ["--parallelism.zero_stage", "1"], "parallelism.zero_stage set but the "
+         "data-parallel degree is 1"),
+        (2, ["--parallelism.tensor_parallel_degree", "2", "--training.mixed_precision_reduce",
+             "bfloat16"], "training.mixed_precision_reduce set but the data-parallel degree"),
+        (2, ["--parallelism.data_parallel_replicate_degree", "2",
+             "--parallelism.fsdp_reshard_after_forward", "always"],
+         "parallelism.fsdp_reshard_after_forward set but data_parallel_shard_degree = 1"),
+    ],
+)  # fmt: skip
+def test_options_the_layout_ignores_are_rejected(world, argv, expected):
+    from train import check_config
+
+    cfg = parse_args(["--config", "tests/tiny_model.toml", *argv])
+    check_config(cfg, world_size=2 * world)  # a layout that uses them
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        check_config(cfg, world_size=world)
