@@ -166,8 +166,8 @@ class Checkpoint:
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = opt(
         "disabled",
         "disabled: save blocks training; async: stage a CPU copy, write in the "
-        "background; async_with_pinned_mem: async with pinned-memory staging (CUDA only, "
-        "else async)",
+        "background; async_with_pinned_mem: the copy also runs in the background (into "
+        "pinned memory on CUDA), awaited before the next optimizer step",
     )
     load_step: int = opt(-1, "Resume from this step's checkpoint (-1 = the latest)", ge=-1)
     model_only: bool = opt(
