@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
+from checkpoint.staging import HostCopyStager
 from checkpoint.state import (
     COMPONENTS,
     DTYPES,
@@ -149,19 +150,13 @@ class CheckpointManager:
         self.pg = dist.new_group(backend="gloo") if self.distributed else None
         self.async_mode = self.ckpt.async_mode
         self.stager = None
-        if self.async_mode == "async_with_pinned_mem":
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-            # The copy to host memory runs in the background while training continues: into
-            # pinned memory with non-blocking copies on CUDA; a plain background copy on CPU.
+        if self.async_mode != "disabled":
+            # async: the host copy is made before training goes on; async_with_pinned_mem: it
+            # runs in the background too (into pinned memory on CUDA), awaited before the next
+            # optimizer step.
             cuda = next(self.model.parameters()).device.type == "cuda"
-            self.stager = DefaultStager(
-                StagingOptions(
-                    use_pinned_memory=cuda,
-                    use_shared_memory=False,
-                    use_async_staging=True,
-                    use_non_blocking_copy=cuda,
-                )
+            self.stager = HostCopyStager(
+                background=self.async_mode == "async_with_pinned_mem", pin_memory=cuda
             )
         self.pending: _Pending | None = None
         # The optimizer must not change the weights while a save still copies them: the wait
