@@ -1,10 +1,13 @@
-"""Tokenizers behind one interface: Llama 3 tiktoken BPE files and sentencepiece models."""
+"""Tokenizers behind one interface: Llama 3 tiktoken BPE files, sentencepiece models and Hugging
+Face `tokenizer.json` files."""
 
 from __future__ import annotations
 
 import base64
 import binascii
 import hashlib
+import json
+import logging
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
@@ -12,6 +15,9 @@ from pathlib import Path
 
 import sentencepiece as spm
 import tiktoken
+import tokenizers
+
+logger = logging.getLogger("meshtrain")
 
 # Pre-tokenisation regex of Llama 3 (from its reference tokenizer).
 LLAMA3_PATTERN = (
@@ -26,6 +32,19 @@ _TIKTOKEN_MAX_CHARS = 400_000
 _TIKTOKEN_MAX_RUN = 25_000
 _LONG_RUN = re.compile(rf"\s{{{_TIKTOKEN_MAX_RUN + 1}}}|\S{{{_TIKTOKEN_MAX_RUN + 1}}}")
 _TIKTOKEN_LINE = re.compile(rb"[A-Za-z0-9+/]+=*[ \t]+[0-9]+")
+
+# Hugging Face tokenizers: special tokens that end a document (GPT-2/Qwen, Llama 3, Llama 2 and
+# Mistral, Gemma), in order of preference, and chat end-of-turn tokens that a chat model's
+# tokenizer_config.json names as its eos_token (Qwen3's <|im_end|>, Llama 3 Instruct's
+# <|eot_id|>, Gemma's <end_of_turn>) but that do not end a pre-training document.
+_END_OF_DOCUMENT = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>")
+
+_FORMATS = (
+    "a Llama 3 tiktoken BPE file (lines 'base64 rank')",
+    "a sentencepiece .model",
+    "a Hugging Face tokenizer.json",
+)
 
 
 def llama3_special_tokens() -> list[str]:
@@ -47,11 +66,16 @@ def llama3_special_tokens() -> list[str]:
 
 
 class Tokenizer(ABC):
-    """Text <-> token ids, with the BOS/EOS ids used to frame documents."""
+    """Text <-> token ids, with the BOS/EOS ids used to frame documents.
+
+    Every tokenizer has an EOS; BOS may be None (a tokenizer without one, such as Qwen's), and
+    then `bos=True` adds nothing.
+    """
 
     def __init__(self, path: str, fingerprint: str) -> None:
         self.path = path
-        self.fingerprint = fingerprint  # sha256 of the model file; keys the token caches
+        # sha256 of the tokenizer file (and of whatever else changes its ids); keys the caches
+        self.fingerprint = fingerprint
 
     @property
     @abstractmethod
@@ -60,8 +84,8 @@ class Tokenizer(ABC):
 
     @property
     @abstractmethod
-    def bos_id(self) -> int:
-        """Id prepended to a document when `bos=True`."""
+    def bos_id(self) -> int | None:
+        """Id prepended to a document when `bos=True`; None if the tokenizer has no BOS."""
 
     @property
     @abstractmethod
@@ -78,8 +102,12 @@ class Tokenizer(ABC):
 
     def encode(self, text: str, bos: bool, eos: bool) -> list[int]:
         """Encode text, optionally framed by BOS and EOS."""
-        ids = self._encode_plain(text)
-        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+        return self._frame(self._encode_plain(text), bos, eos)
+
+    def _frame(self, ids: list[int], bos: bool, eos: bool) -> list[int]:
+        """`ids` preceded by BOS (if asked and there is one) and followed by EOS (if asked)."""
+        head = [self.bos_id] if bos and self.bos_id is not None else []
+        return head + ids + ([self.eos_id] if eos else [])
 
     def encode_batch(self, texts: Sequence[str], bos: bool, eos: bool) -> list[list[int]]:
         """Encode several texts (subclasses may use a faster native batch path)."""
@@ -173,32 +201,174 @@ class SentencePieceTokenizer(Tokenizer):
         return self._sp.decode([int(i) for i in ids])
 
 
-def build_tokenizer(path: str) -> Tokenizer:
-    """Load a tokenizer file, detecting tiktoken-BPE text vs sentencepiece protobuf by content.
+class HuggingFaceTokenizer(Tokenizer):
+    """A Hugging Face `tokenizer.json` (Qwen3, Llama 3 and Mistral downloads), via `tokenizers`.
 
-    A folder holding a `tokenizer.model` (as in a Llama 3 download) is accepted too; '' is the
-    bundled sample tokenizer (model.tokenizer_path's default), built on first use.
+    Encoding adds none of the file's own special tokens (its post-processor is skipped: the
+    framework frames documents itself), ignores any truncation or padding the file configures
+    and, like the other tokenizers, reads special-token strings in the text as plain text.
+
+    BOS and EOS: a `tokenizer_config.json` beside the file decides when it names them
+    (`bos_token`/`eos_token`, a string, an AddedToken dict or null); otherwise the token the
+    post-processor puts before (BOS) and after (EOS) a sequence; otherwise, for EOS only, the
+    first of `_END_OF_DOCUMENT` that is a special token. A tokenizer without a BOS (Qwen's) gets
+    none: documents are then separated by EOS alone, `tokens + [EOS]`, as its family was
+    pre-trained (prepending EOS or some other token would be invented framing); nothing in the
+    pipeline needs a BOS. EOS ends a pre-training document, not a chat turn: a configured
+    end-of-turn token (`_END_OF_TURN`, e.g. Qwen3's `<|im_end|>`) gives way to an
+    end-of-document special token of the vocabulary (`<|endoftext|>`) when there is one. A
+    tokenizer with no EOS at all is refused. The chosen ids are logged and, since they change
+    the token stream, are part of the fingerprint along with the file's bytes.
+    """
+
+    def __init__(self, path: str, data: bytes, config: dict) -> None:
+        try:
+            self._tok = tokenizers.Tokenizer.from_buffer(data)
+        except Exception as err:  # the library raises plain Exceptions on malformed files
+            raise ValueError(
+                f"tokenizer file {path!r} is JSON but not a Hugging Face tokenizer.json: {err}"
+            ) from err
+        self._tok.no_truncation()
+        self._tok.no_padding()
+        before, after = self._post_processor_framing()
+        self._bos_id = (
+            self._configured(config, "bos_token", path) if "bos_token" in config else before
+        )
+        eos = self._configured(config, "eos_token", path) if "eos_token" in config else after
+        specials = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
+        document_end = next(
+            (self._tok.token_to_id(t) for t in _END_OF_DOCUMENT if t in specials), None
+        )
+        if eos is None or (self._tok.id_to_token(eos) in _END_OF_TURN and document_end is not None):
+            eos = document_end
+        if eos is None:
+            raise ValueError(
+                f"tokenizer {path!r} names no end-of-document token: no eos_token in a "
+                "tokenizer_config.json beside it, none appended by its post-processor and none "
+                f"of {', '.join(_END_OF_DOCUMENT)} among its special tokens; add a "
+                'tokenizer_config.json with "eos_token"'
+            )
+        self._eos_id = eos
+        self._tok.encode_special_tokens = True  # special-token strings in text are plain text
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        self._vocab_size = max(
+            self._tok.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1
+        )
+        digest = hashlib.sha256(data)
+        digest.update(f"\nbos={self._bos_id} eos={self._eos_id}".encode())
+        super().__init__(path, digest.hexdigest())
+        logger.info(
+            "tokenizer %s: %d tokens, BOS %s, EOS %r (id %d)",
+            path,
+            self._vocab_size,
+            "none" if self._bos_id is None else f"{self._tok.id_to_token(self._bos_id)!r}",
+            self._tok.id_to_token(self._eos_id),
+            self._eos_id,
+        )
+
+    def _post_processor_framing(self) -> tuple[int | None, int | None]:
+        """The single ids the post-processor puts before and after a sequence (None if not)."""
+        plain = self._tok.encode("a", add_special_tokens=False).ids
+        framed = self._tok.encode("a", add_special_tokens=True).ids
+        for start in range(len(framed) - len(plain) + 1):
+            if plain and framed[start : start + len(plain)] == plain:
+                before, after = framed[:start], framed[start + len(plain) :]
+                return (
+                    before[0] if len(before) == 1 else None,
+                    after[0] if len(after) == 1 else None,
+                )
+        return None, None
+
+    def _configured(self, config: dict, key: str, path: str) -> int | None:
+        """Id of tokenizer_config.json's `key` token (None when it is null)."""
+        token = config[key]
+        if isinstance(token, dict):
+            token = token.get("content")
+        if token is None:
+            return None
+        token_id = self._tok.token_to_id(str(token))
+        if token_id is None:
+            raise ValueError(
+                f"tokenizer_config.json beside {path!r}: {key} {token!r} is not in the vocabulary"
+            )
+        return token_id
+
+    @property
+    def vocab_size(self) -> int:
+        """One more than the largest id (base vocabulary and added tokens)."""
+        return self._vocab_size
+
+    @property
+    def bos_id(self) -> int | None:
+        """The configured or post-processor BOS id; None if the tokenizer has none."""
+        return self._bos_id
+
+    @property
+    def eos_id(self) -> int:
+        """The end-of-document id (see the class docstring)."""
+        return self._eos_id
+
+    def _encode_plain(self, text: str) -> list[int]:
+        """Encode without the post-processor's special tokens."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str], bos: bool, eos: bool) -> list[list[int]]:
+        """Encode several texts with the library's parallel batch encoder."""
+        encodings = self._tok.encode_batch(list(texts), add_special_tokens=False)
+        return [self._frame(e.ids, bos, eos) for e in encodings]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Decode ids, special tokens included."""
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def build_tokenizer(path: str) -> Tokenizer:
+    """Load a tokenizer file, detecting Hugging Face JSON, tiktoken-BPE text or sentencepiece
+    protobuf by content.
+
+    A folder holding a `tokenizer.model` (as in a Llama 3 download) or else a `tokenizer.json`
+    (a Hugging Face model folder) is accepted too; '' is the bundled sample tokenizer
+    (model.tokenizer_path's default), built on first use.
     """
     if not path:
         from data.sample_corpus import default_cache_dir, ensure_sample_tokenizer
 
         path = ensure_sample_tokenizer(default_cache_dir())
     file = Path(path)
-    if file.is_dir() and (file / "tokenizer.model").is_file():
-        file = file / "tokenizer.model"
-    expected = "a Llama 3 tiktoken BPE file (lines 'base64 rank') or a sentencepiece .model"
+    if file.is_dir():
+        file = next(
+            (file / n for n in ("tokenizer.model", "tokenizer.json") if (file / n).is_file()), file
+        )
+    kinds = ", ".join(_FORMATS[:-1])
     if not file.is_file():
         raise ValueError(
-            f"tokenizer path {path!r} does not exist or is not a file; expected {expected}"
+            f"tokenizer path {path!r} does not exist or is not a file; "
+            f"expected {kinds} or {_FORMATS[-1]}"
         )
     data = file.read_bytes()
+    if data.lstrip()[:1] == b"{":
+        return HuggingFaceTokenizer(str(file), data, _tokenizer_config(file))
     fingerprint = hashlib.sha256(data).hexdigest()
     ranks = _parse_tiktoken_ranks(data, str(file))
     if ranks is not None:
         return TiktokenTokenizer(str(file), ranks, fingerprint)
     if _is_sentencepiece(data):
         return SentencePieceTokenizer(str(file), data, fingerprint)
-    raise ValueError(f"tokenizer file {str(file)!r} is neither {expected}")
+    raise ValueError(f"tokenizer file {str(file)!r} is neither {kinds} nor {_FORMATS[-1]}")
+
+
+def _tokenizer_config(file: Path) -> dict:
+    """The `tokenizer_config.json` beside a tokenizer.json ({} if there is none)."""
+    config_file = file.parent / "tokenizer_config.json"
+    if not config_file.is_file():
+        return {}
+    try:
+        config = json.loads(config_file.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"{str(config_file)!r} is not valid JSON: {err}") from err
+    if not isinstance(config, dict):
+        raise ValueError(f"{str(config_file)!r} is not a JSON object")
+    return config
 
 
 def _parse_tiktoken_ranks(data: bytes, path: str) -> dict[bytes, int] | None:

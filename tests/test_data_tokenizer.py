@@ -1,13 +1,19 @@
-"""Tokenizer tests: tiktoken (Llama 3 format) and sentencepiece files built locally."""
+"""Tokenizer tests: tiktoken (Llama 3 format), sentencepiece and Hugging Face tokenizer.json
+files built locally."""
 
 import base64
 import io
+import json
+import math
 from pathlib import Path
 
 import pytest
 import sentencepiece as spm
+import tokenizers
+from dist_utils import Run, launch_many
 
 from data.tokenizer import (
+    HuggingFaceTokenizer,
     SentencePieceTokenizer,
     TiktokenTokenizer,
     build_tokenizer,
@@ -145,7 +151,7 @@ def test_missing_file_error(tmp_path):
 def test_unrecognised_file_error(tmp_path, content):
     path = tmp_path / "weird.bin"
     path.write_bytes(content)
-    with pytest.raises(ValueError, match=r"weird\.bin.*neither"):
+    with pytest.raises(ValueError, match=r"weird\.bin.*neither.*tokenizer\.json"):
         build_tokenizer(str(path))
 
 
@@ -154,3 +160,240 @@ def test_bad_tiktoken_ranks_error(tmp_path):
     path.write_text("YQ== 0\nYg== 5\n")
     with pytest.raises(ValueError, match=r"gaps\.model.*ranks"):
         build_tokenizer(str(path))
+
+
+# --- Hugging Face tokenizer.json ---------------------------------------------------------------
+
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # Qwen's: no BOS token
+HF_VOCAB = 300  # 256 bytes, the special tokens and merges
+HF_WORDS = ["token", "model", "train", "the", "data", "mesh", "shard", "loss", "step", "qwen"]
+
+
+def train_hf_tokenizer(specials: list[str], vocab_size: int = HF_VOCAB) -> tokenizers.Tokenizer:
+    """A tiny byte-level BPE (GPT-2/Qwen style) trained offline on a few KB of text."""
+    text = [
+        " ".join(HF_WORDS[(i * 7 + j * 3) % len(HF_WORDS)] for j in range(12)) for i in range(300)
+    ]
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(text + SAMPLE_TEXTS, trainer)
+    return tok
+
+
+def save_hf(folder: Path, tok: tokenizers.Tokenizer, config: dict | None = None) -> Path:
+    """Save `tok` as folder/tokenizer.json, with a tokenizer_config.json beside it if given."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    if config is not None:
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder / "tokenizer.json"
+
+
+@pytest.fixture(scope="module")
+def qwen_like(tmp_path_factory) -> Path:
+    """Qwen-style tokenizer.json: <|endoftext|> and chat tokens, no BOS, no config."""
+    return save_hf(tmp_path_factory.mktemp("qwen"), train_hf_tokenizer(QWEN_SPECIALS))
+
+
+@pytest.fixture(scope="module")
+def llama_like(tmp_path_factory) -> Path:
+    """A tokenizer.json whose post-processor frames sequences as `<s> $A </s>` and that (like
+    some downloads) enables truncation to 8 tokens."""
+    tok = train_hf_tokenizer(["<unk>", "<s>", "</s>"])
+    tok.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", 1), ("</s>", 2)]
+    )
+    tok.enable_truncation(8)
+    return save_hf(tmp_path_factory.mktemp("llama"), tok)
+
+
+def test_hf_detected_from_file_and_folder(qwen_like):
+    for path in (qwen_like, qwen_like.parent):
+        tok = build_tokenizer(str(path))
+        assert isinstance(tok, HuggingFaceTokenizer)
+        assert tok.path == str(qwen_like)
+        assert tok.decode(tok.encode("the mesh", bos=False, eos=False)) == "the mesh"
+
+
+def test_folder_prefers_tokenizer_model_over_json(qwen_like, tmp_path):
+    save_hf(tmp_path, train_hf_tokenizer(QWEN_SPECIALS))
+    write_tiktoken_file(tmp_path / "tokenizer.model", MERGES)
+    assert isinstance(build_tokenizer(str(tmp_path)), TiktokenTokenizer)
+
+
+@pytest.mark.parametrize("text", SAMPLE_TEXTS)
+def test_hf_round_trip(qwen_like, text):
+    tok = build_tokenizer(str(qwen_like))
+    ids = tok.encode(text, bos=True, eos=True)
+    assert ids[-1] == tok.eos_id and tok.eos_id not in ids[:-1]
+    assert tok.decode(ids[:-1]) == text
+    assert tok.encode_batch([text], bos=True, eos=True) == [ids]
+
+
+def test_hf_without_bos_frames_documents_by_eos_only(qwen_like):
+    library = tokenizers.Tokenizer.from_file(str(qwen_like))
+    tok = build_tokenizer(str(qwen_like))
+    assert tok.bos_id is None
+    assert tok.eos_id == library.token_to_id("<|endoftext|>")
+    assert tok.vocab_size == library.get_vocab_size(with_added_tokens=True) == HF_VOCAB
+    plain = tok.encode("the model", bos=False, eos=False)
+    assert plain and max(plain) < tok.vocab_size
+    assert tok.encode("the model", bos=True, eos=True) == plain + [tok.eos_id]
+    assert tok.encode("", bos=True, eos=True) == [tok.eos_id]
+    # special-token strings in the text are plain text, never control tokens
+    ids = tok.encode("<|endoftext|><|im_end|>", bos=False, eos=False)
+    assert len(ids) > 2 and not set(ids) & {library.token_to_id(t) for t in QWEN_SPECIALS}
+    assert tok.decode(ids + [tok.eos_id]) == "<|endoftext|><|im_end|><|endoftext|>"
+
+
+@pytest.mark.parametrize(
+    ("config", "bos", "eos"),
+    [
+        ({"bos_token": None, "eos_token": "<|im_end|>"}, None, "<|endoftext|>"),  # Qwen3 chat
+        ({"bos_token": None, "eos_token": "<|endoftext|>"}, None, "<|endoftext|>"),  # Qwen3 base
+        (
+            {"bos_token": "<|im_start|>", "eos_token": {"content": "<|endoftext|>"}},
+            "<|im_start|>",
+            "<|endoftext|>",
+        ),
+    ],
+)
+def test_hf_bos_eos_from_tokenizer_config(tmp_path, config, bos, eos):
+    library = train_hf_tokenizer(QWEN_SPECIALS)
+    tok = build_tokenizer(str(save_hf(tmp_path, library, config).parent))
+    assert tok.bos_id == (None if bos is None else library.token_to_id(bos))
+    assert tok.eos_id == library.token_to_id(eos)
+
+
+def test_hf_post_processor_bos_eos_are_not_added_twice(llama_like):
+    library = tokenizers.Tokenizer.from_file(str(llama_like))
+    bos, eos = library.token_to_id("<s>"), library.token_to_id("</s>")
+    tok = build_tokenizer(str(llama_like))
+    assert (tok.bos_id, tok.eos_id) == (bos, eos)
+    text = "the token model trains the mesh shard loss step by step"
+    assert library.encode(text).ids[0] == bos  # the file itself would add <s> ... </s>
+    for ids in (tok.encode(text, bos=True, eos=True), tok.encode_batch([text], True, True)[0]):
+        assert ids[0] == bos and ids[-1] == eos
+        assert ids.count(bos) == 1 and ids.count(eos) == 1
+        assert len(ids) > 8 + 2  # the file's truncation to 8 tokens is not applied
+        assert tok.decode(ids[1:-1]) == text
+    assert bos not in tok.encode(text, bos=False, eos=False)
+
+
+def test_hf_config_overrides_post_processor(tmp_path):
+    library = train_hf_tokenizer(["<unk>", "<s>", "</s>"])
+    library.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", 1), ("</s>", 2)]
+    )
+    tok = build_tokenizer(str(save_hf(tmp_path, library, {"bos_token": None})))
+    assert (tok.bos_id, tok.eos_id) == (None, 2)
+
+
+def test_hf_encode_batch_uses_the_library_batch_encoder(qwen_like):
+    tok = build_tokenizer(str(qwen_like))
+    calls = []
+
+    class Spy:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def encode_batch(self, texts, **kwargs):
+            calls.append((list(texts), kwargs))
+            return self.inner.encode_batch(texts, **kwargs)
+
+    expected = [tok.encode(t, bos=True, eos=True) for t in SAMPLE_TEXTS]
+    tok._tok = Spy(tok._tok)
+    assert tok.encode_batch(SAMPLE_TEXTS, bos=True, eos=True) == expected
+    assert calls == [(SAMPLE_TEXTS, {"add_special_tokens": False})]
+
+
+def test_hf_fingerprint(qwen_like, tiktoken_path, sentencepiece_path, tmp_path):
+    first = build_tokenizer(str(qwen_like)).fingerprint
+    assert build_tokenizer(str(qwen_like)).fingerprint == first
+    assert first not in {
+        build_tokenizer(str(p)).fingerprint for p in (tiktoken_path, sentencepiece_path)
+    }
+    copy = save_hf(tmp_path / "copy", tokenizers.Tokenizer.from_file(str(qwen_like)))
+    assert build_tokenizer(str(copy)).fingerprint == first
+    changed = save_hf(
+        tmp_path / "changed", train_hf_tokenizer(QWEN_SPECIALS, vocab_size=HF_VOCAB - 10)
+    )
+    assert build_tokenizer(str(changed)).fingerprint != first
+    # a tokenizer_config.json that changes the framing changes the token stream, so the print
+    (copy.parent / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|im_start|>"}))
+    assert build_tokenizer(str(copy)).fingerprint != first
+
+
+@pytest.mark.parametrize(
+    ("specials", "config", "match"),
+    [
+        (["<pad>"], None, "no end-of-document token"),
+        (QWEN_SPECIALS, {"eos_token": "<|missing|>"}, "<|missing|>.*not in the vocabulary"),
+    ],
+)
+def test_hf_bad_special_tokens(tmp_path, specials, config, match):
+    path = save_hf(tmp_path, train_hf_tokenizer(specials), config)
+    with pytest.raises(ValueError, match=match):
+        build_tokenizer(str(path))
+
+
+def test_json_that_is_not_a_tokenizer(tmp_path):
+    path = tmp_path / "tokenizer.json"
+    path.write_text('{"model": {"type": "NoSuchModel"}}')
+    with pytest.raises(ValueError, match="not a Hugging Face tokenizer.json"):
+        build_tokenizer(str(path))
+
+
+def test_training_with_a_tokenizer_json(qwen_like, tmp_path):
+    """train.py on one process with `--model.tokenizer_path <tokenizer.json>`: the model gets
+    the tokenizer's vocabulary (the logged parameter count is the one for its 300 tokens) and the
+    loss is finite."""
+    from metrics.flops import count_params
+    from models import build_model_args, get_model_spec
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(20):
+        words = [HF_WORDS[(i + 3 * j) % len(HF_WORDS)] for j in range(60)]
+        (docs / f"doc{i}.txt").write_text(" ".join(words) + " <|endoftext|> é🚀\n")
+    run = Run(
+        "hf_tokenizer",
+        tmp_path / "run",
+        nproc=1,
+        args=[
+            "--model.tokenizer_path",
+            str(qwen_like),
+            "--training.dataset",
+            "text",
+            "--training.dataset_path",
+            str(docs),
+            "--training.steps",
+            "3",
+        ],  # fmt: skip
+        env={"MESHTRAIN_CACHE": str(tmp_path / "cache")},
+    )
+    run = launch_many([run])["hf_tokenizer"].check()
+    losses = run.losses()
+    assert sorted(losses) == [1, 2, 3]
+    assert all(math.isfinite(loss) for loss in losses.values())
+    assert math.log(HF_VOCAB) - 1 < losses[1] < math.log(HF_VOCAB) + 1  # ~uniform over the vocab
+    log = (run.folder / "logs" / "rank_0.log").read_text()
+    assert f"tokenizer {qwen_like}: {HF_VOCAB} tokens, BOS none, EOS '<|endoftext|>'" in log
+
+    def n_params(vocab: int) -> int:
+        shape = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2}
+        args = build_model_args("llama3", "debugmodel", 32, vocab, shape)
+        return count_params(get_model_spec("llama3").model_cls(args))
+
+    assert n_params(HF_VOCAB) != n_params(4096)
+    assert f"{n_params(HF_VOCAB):,} parameters" in log
