@@ -1,7 +1,9 @@
 """Checkpointing through train.py on CPU gloo ranks (torchrun), with real DCP writes.
 
-Exact resume (bit-identical losses) per layout and async mode, resharding between layouts
-(rtol 1e-4, the data loader continuing at another DP degree), a save killed by SIGKILL, the seed
+Exact resume (bit-identical losses, gradient norms and final weights) per layout and async
+mode, resharding between layouts (the fp32 parity tolerances of `tests/parity.py` on loss,
+gradient norm and final weights; the data loader continuing at another DP degree), a save
+killed by SIGKILL, the seed
 checkpoint, a checkpoint that does not fit, the weights-only export and a converted HF model
 loaded under TP x FSDP. Every layout trains the same global batch (8 sequences per step), so
 all layouts compute the same losses up to float reassociation.
@@ -21,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import TINY_SHAPE
+from parity import EXACT, FP32, assert_layout, assert_parity
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = [
@@ -63,7 +66,9 @@ LAYOUTS = {
     "pp2": (2, PP),
     "pp2_tp2": (4, PP + TP),
     "zero1": (2, ["--parallelism.zero_stage", "1"]),
+    "zero2": (2, ["--parallelism.zero_stage", "2"]),
     "zero3": (2, ["--parallelism.zero_stage", "3"]),
+    "hsdp": (4, ["--parallelism.data_parallel_replicate_degree", "2"]),
 }
 NEEDS = {  # layout piece -> module that provides it (other engineers' work)
     "tp": "parallelisms.tensor_parallel",
@@ -162,9 +167,13 @@ def steps(d: dict, lo: int, hi: int) -> list[float]:
     return [d[s] for s in range(lo, hi + 1)]
 
 
-@pytest.mark.parametrize("layout", ["single", "fsdp2", "tp2_fsdp2", "pp2"])
+@pytest.mark.parametrize(
+    "layout", ["single", "fsdp2", "tp2_fsdp2", "pp2", "zero1", "zero2", "hsdp"]
+)
 def test_exact_resume_sync_and_async(tmp_path, reference, layout):
     ref_dump, ref = reference(layout)
+    nproc, extra = LAYOUTS[layout]
+    assert_layout(ref_dump, nproc, BASE + extra)
     # a 10-step run saving asynchronously, then resumed to 20 steps saving synchronously
     dump = tmp_path / "a"
     ok(
@@ -185,7 +194,7 @@ def test_exact_resume_sync_and_async(tmp_path, reference, layout):
     assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-10"]
     ok(train(dump, layout, "--training.steps", "20", "--checkpoint.interval", "5"))
     assert "step-10 (latest checkpoint in the run folder) step 10" in log_text(dump)
-    assert steps(losses(dump), 11, 20) == steps(ref, 11, 20)
+    assert_parity(ref_dump, dump, EXACT)  # every step's loss and grad norm, final weights
     # the reference's synchronously saved step-10, resumed in a fresh folder with async saves
     dump = tmp_path / "c"
     copy_checkpoint(ref_dump, 10, dump)
@@ -202,7 +211,7 @@ def test_exact_resume_sync_and_async(tmp_path, reference, layout):
         )
     )
     assert sorted(losses(dump)) == list(range(11, 21))
-    assert steps(losses(dump), 11, 20) == steps(ref, 11, 20)
+    assert_parity(ref_dump, dump, EXACT, first=11)
 
 
 @pytest.mark.parametrize(
@@ -221,9 +230,9 @@ def test_reshard(tmp_path, reference, src, dst):
     dump = tmp_path / "dst"
     copy_checkpoint(src_dump, 10, dump)
     ok(train(dump, dst, "--training.steps", "20", "--checkpoint.interval", "10"))
-    got = losses(dump)
-    assert sorted(got) == list(range(11, 21))
-    torch.testing.assert_close(steps(got, 11, 20), steps(ref, 11, 20), rtol=1e-4, atol=0)
+    assert sorted(losses(dump)) == list(range(11, 21))
+    assert_layout(dump, LAYOUTS[dst][0], BASE + LAYOUTS[dst][1])
+    assert_parity(src_dump, dump, FP32, first=11)
     if LAYOUTS[src][0] != LAYOUTS[dst][0] and src.startswith("fsdp"):
         # the data loader continued from the global position at another DP degree
         before = dcp_values(src_dump / "checkpoint/step-10", {"dataloader": {"state": b""}})
@@ -237,15 +246,13 @@ def test_reshard_interleaved_pipeline_to_fsdp(tmp_path):
     """Two pipeline stages per rank (one optimizer over both parts) save under the plain
     model's names: FSDP 2 continues from them."""
     require("pp2")
-    layers = ["--model.n_layers", "4", "--training.steps", "6", "--checkpoint.interval", "3"]
+    layers = ["--model.n_layers", "4", "--training.steps", "20", "--checkpoint.interval", "10"]
     src = tmp_path / "interleaved"
     ok(train(src, "pp2", *layers, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"))
     dst = tmp_path / "fsdp"
-    copy_checkpoint(src, 3, dst)
+    copy_checkpoint(src, 10, dst)
     ok(train(dst, "fsdp2", *layers))
-    torch.testing.assert_close(
-        steps(losses(dst), 4, 6), steps(losses(src), 4, 6), rtol=1e-4, atol=0
-    )
+    assert_parity(src, dst, FP32, first=11)
 
 
 def _descendants(pid: int) -> list[int]:

@@ -1,35 +1,43 @@
 """Pipeline-parallel training matches one process, for every schedule torch provides.
 
 The tiny model (tests/tiny_model.toml, here with 4 layers so that multi-stage schedules get
-2 stages of 1 layer per rank) trains 10 steps in fp32 with deterministic algorithms and a
-global batch of 8 sequences. At every step the loss and the gradient norm (the global norm
-over all pipeline stages, clipped to 0.8) must equal the one-process run's within RTOL, and
-so must the validation loss (steps 5 and 10), which runs each schedule's forward-only path.
+2 stages of 1 layer per rank; 8 layers for 4 ranks of 2 stages) trains 20 steps in fp32 with
+deterministic algorithms and a global batch of 8 sequences. Each run must match the
+one-process run of its depth under the harness in `tests/parity.py` (loss and gradient norm
+at every step, the global norm over all pipeline stages clipped to 0.8; final weights; the
+layout it built), and so must the validation loss (every 5 steps), which runs each
+schedule's forward-only path. Only the runs the selected tests need are launched.
 """
 
 from __future__ import annotations
 
 import pytest
 from dist_utils import Run, launch_many
+from parity import (
+    CHECKPOINT_ARGS,
+    FP32,
+    STEPS,
+    assert_layout,
+    assert_parity,
+    assert_series,
+    by_step,
+    selected_runs,
+)
 
 from parallelisms.pipeline import v_schedules_on_gloo
-from scripts.loss_compare import compare
-
-# Relative tolerance per step. Pipelining splits the batch into microbatches and layouts
-# reorder float32 reductions, which moves losses by ~1e-7 relative; a wrong gradient or a
-# mis-scaled loss moves them by 1e-3 or more.
-RTOL = 1e-4
 
 CLIP = 0.8  # below most steps' gradient norm, so clipping (global over stages) is exercised
 COMMON = [
-    "--model.n_layers", "4", "--training.max_norm", str(CLIP),
+    "--model.n_layers", "4", "--training.max_norm", str(CLIP), "--training.steps", str(STEPS),
     "--validation.enable", "true", "--validation.freq", "5", "--validation.steps", "2",
+    *CHECKPOINT_ARGS,
 ]  # fmt: skip
+EIGHT_LAYERS = ["--model.n_layers", "8"]
 
 
-def _pp(schedule: str, microbatch: int, **kw) -> list[str]:
+def _pp(schedule: str, microbatch: int, pp: str = "2", **kw) -> list[str]:
     args = [
-        "--parallelism.pipeline_parallel_degree", "2",
+        "--parallelism.pipeline_parallel_degree", pp,
         "--parallelism.pipeline_parallel_schedule", schedule,
         "--parallelism.pipeline_parallel_microbatch_size", str(microbatch),
     ]  # fmt: skip
@@ -64,9 +72,14 @@ LAYOUTS = {
     ),
     # PP x FSDP with accumulation (2 steps); the pipeline runtime drives FSDP's reduction
     "pp2_fsdp2_zbv_accum": (4, _pp("ZBVZeroBubble", 1, **{LB: "2", GB: "8", VS: "4"})),
-    # 3-D: PP 2 x FSDP 2 x TP 2 (loss parallel on the last stage)
+    # 3-D: PP 2 x FSDP 2 x TP 2 (loss parallel on the last stage), V-shaped and looped
     "pp2_fsdp2_tp2_zbv": (8, _pp("ZBVZeroBubble", 2, **{LB: "4", TP: "2"})),
+    "pp2_fsdp2_tp2_interleaved_1f1b": (8, _pp("Interleaved1F1B", 2, **{LB: "4", TP: "2"})),
+    # 4 stages on 4 ranks; 8 stages (2 per rank) over 8 layers
+    "pp4_1f1b": (4, _pp("1F1B", 1, pp="4")),
+    "pp4_interleaved_1f1b": (4, _pp("Interleaved1F1B", 2, pp="4") + EIGHT_LAYERS),
 }
+REFERENCE = {"pp4_interleaved_1f1b": "reference_8_layers"}  # the rest: "reference" (4 layers)
 
 
 # torch < 2.13 cannot run the V schedules on gloo; train.py rejects them up front there.
@@ -89,32 +102,30 @@ PARAMS = [
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(request, tmp_path_factory):
     base = tmp_path_factory.mktemp("pp_parity")
+    want = selected_runs(request, LAYOUTS, {}, REFERENCE) | {"reference"}
     todo = [
         Run(name, base / name, n, COMMON + args)
         for name, (n, args) in LAYOUTS.items()
-        if V_ON_GLOO or not _v_schedule(args)
+        if name in want and (V_ON_GLOO or not _v_schedule(args))
     ]
-    # The 8-rank run is the slowest: start it first so the others overlap it.
-    todo.sort(key=lambda r: -r.nproc)
     todo.append(Run("reference", base / "reference", 1, COMMON))
+    if "reference_8_layers" in want:
+        todo.append(Run("reference_8_layers", base / "reference8", 1, COMMON + EIGHT_LAYERS))
+    # The widest runs are the slowest: start them first so the others overlap them.
+    todo.sort(key=lambda r: -r.nproc)
     return launch_many(todo, parallel=2)
 
 
 @pytest.mark.parametrize("name", PARAMS)
 def test_pipeline_matches_one_process(runs, name):
-    ref, run = runs["reference"].check(), runs[name].check()
-    for kind, key in (("train", "loss"), ("train", "grad_norm"), ("validation", "loss")):
-        series = {
-            "1 process": {r["step"]: r[key] for r in ref.records(kind)},
-            name: {r["step"]: r[key] for r in run.records(kind)},
-        }
-        assert len(series[name]) == (10 if kind == "train" else 2)
-        table, worst = compare(series)
-        assert worst[name] <= RTOL, f"{kind} {key} differs by {worst[name]:.2e}:\n" + "\n".join(
-            table
-        )
+    ref, run = runs[REFERENCE.get(name, "reference")].check(), runs[name].check()
+    assert_layout(run.folder, run.nproc, run.args, n_layers=4)
+    assert_parity(ref.folder, run.folder, FP32)
+    val = by_step(ref.folder, "loss", kind="validation")
+    assert sorted(val) == [5, 10, 15, 20]
+    assert_series(val, by_step(run.folder, "loss", kind="validation"), "validation loss", FP32.loss)
 
 
 def test_reference_clips_at_least_once(runs):

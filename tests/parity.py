@@ -1,0 +1,236 @@
+"""The parity harness: what "this layout trains exactly like one process" means, in one place.
+
+A parity check compares two runs of the same global batches and initial weights:
+- the loss and the gradient norm at every step (relative difference);
+- the full trained parameters, read from each run's final DCP checkpoint into this process
+  (DCP gathers every rank's shards): max abs difference and max difference relative to the
+  tensor's largest value;
+- the layout the run really built (`<dump>/layout.json`, read from the built mesh, parameter
+  placements, wrappers and stages) against the layout the test asked for, including the
+  per-rank parameter elements the sharding implies (a TP-2 run holds half the block weights).
+
+Tolerances, measured on the 2-core development machine (fp32, deterministic algorithms,
+20 steps at lr 3e-3), with the worst layout's value and the margin kept:
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from scripts.loss_compare import compare, read_metric
+
+STEPS = 20
+# Saves at step 10 (resume tests start there) and at the last step (the final weights).
+CHECKPOINT_ARGS = ["--checkpoint.enable", "true", "--checkpoint.interval", "10"]
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    loss: float  # relative, per step
+    grad_norm: float  # relative, per step
+    weights: float  # max |a - b| / max |b| per tensor, on the final parameters
+    weights_norm: float  # ||a - b|| / ||b|| per tensor, on the final parameters
+
+
+# fp32: layouts only reorder float32 reductions. Measured worst over the 20 DP/TP/compile
+# layouts (2026-12-01): loss 2.2e-7, grad norm 5.0e-5 (the one-process fp32 norm of the
+# 4096 x 64 output-projection gradient is itself ~3e-5 off the float64 value; sharded layouts
+# sum smaller pieces), final weights 4.1e-5 element-wise (Adam turns a 1e-7 gradient
+# difference on a near-zero element into a visible step) and 5.3e-6 norm-wise. Kept at about
+# 45x / 2x / 5x / 10x that; the planted bugs of scripts/mutation_check.py move them by 1e-3.
+FP32 = Tolerance(loss=1e-5, grad_norm=1e-4, weights=2e-4, weights_norm=5e-5)
+# Exact resume: the same layout continues bit for bit.
+EXACT = Tolerance(loss=0.0, grad_norm=0.0, weights=0.0, weights_norm=0.0)
+
+
+def assert_series(ref: dict[int, float], got: dict[int, float], what: str, tol: float) -> float:
+    """Every step of `ref` is in `got` within relative `tol`; returns the worst difference."""
+    table, worst = compare({"reference": ref, "run": got})
+    assert sorted(got) == sorted(ref), f"{what}: steps {sorted(got)} vs {sorted(ref)}"
+    assert worst["run"] <= tol, f"{what} differs by {worst['run']:.2e} (tolerance {tol:.0e}):\n" + (
+        "\n".join(table)
+    )
+    return worst["run"]
+
+
+def by_step(folder: Path, key: str, kind: str = "train", first: int = 1) -> dict[int, float]:
+    """`key` per step from `metrics.jsonl` (a resumed run appends: its latest record of a step
+    wins), from step `first` on."""
+    return {s: v for s, v in read_metric(folder, key, kind).items() if s >= first}
+
+
+def final_weights(folder: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
+    from checkpoint.hf import read_dcp_model
+
+    return read_dcp_model(Path(folder) / "checkpoint" / f"step-{step}")
+
+
+def weight_diff(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> dict:
+    """Element-wise comparison of two full state dicts: max abs diff, max diff relative to each
+    tensor's largest magnitude (and the tensor where it is worst), max norm-wise relative diff."""
+    assert sorted(ref) == sorted(got), f"parameter names differ: {sorted(set(ref) ^ set(got))}"
+    out = {"max_abs": 0.0, "max_rel": 0.0, "worst": "", "max_rel_norm": 0.0}
+    for name, want in ref.items():
+        have, want = got[name].double(), want.double()
+        assert have.shape == want.shape, f"{name}: shape {tuple(have.shape)} vs {tuple(want.shape)}"
+        diff = (have - want).abs()
+        rel = diff.max().item() / max(want.abs().max().item(), 1e-30)
+        out["max_abs"] = max(out["max_abs"], diff.max().item())
+        norm = diff.norm().item() / max(want.norm().item(), 1e-30)
+        out["max_rel_norm"] = max(out["max_rel_norm"], norm)
+        if rel >= out["max_rel"]:
+            out.update(max_rel=rel, worst=name)
+    return out
+
+
+def assert_weights(ref_folder: Path, folder: Path, tol: Tolerance, step: int = STEPS) -> dict:
+    d = weight_diff(final_weights(ref_folder, step), final_weights(folder, step))
+    assert d["max_rel"] <= tol.weights and d["max_rel_norm"] <= tol.weights_norm, (
+        f"final weights differ: max rel {d['max_rel']:.2e} at {d['worst']} (tolerance "
+        f"{tol.weights:.0e}), norm-wise {d['max_rel_norm']:.2e} (tolerance "
+        f"{tol.weights_norm:.0e}), max abs {d['max_abs']:.2e}"
+    )
+    return d
+
+
+def assert_parity(ref: Path, run: Path, tol: Tolerance, *, first: int = 1, step: int = STEPS):
+    """Loss and gradient norm at every step from `first`, then the final weights."""
+    for key, t in (("loss", tol.loss), ("grad_norm", tol.grad_norm)):
+        assert_series(by_step(ref, key, first=first), by_step(run, key, first=first), key, t)
+    assert_weights(ref, run, tol, step)
+
+
+# --- which runs the selected tests need ------------------------------------------------------
+
+
+def selected_runs(request, names, needs: dict, *depends: dict) -> set[str]:
+    """The runs that the selected tests of the requesting module need: their parameters that
+    name a run in `names`, `needs[test name]`, and everything those depend on through the
+    `depends` maps (run -> run it needs). So `pytest -k NAME` launches only what NAME needs."""
+    want = set()
+    for item in request.session.items:
+        if item.module is not request.module:
+            continue
+        callspec = getattr(item, "callspec", None)
+        want |= {v for v in (callspec.params.values() if callspec else ()) if v in names}
+        want |= set(needs.get(item.originalname, ()))
+    while True:
+        more = {d.get(w) for d in depends for w in want} - {None}
+        if more <= want:
+            return want
+        want |= more
+
+
+# --- the layout a run must have built -------------------------------------------------------
+
+
+def _options(args: list[str]) -> dict[str, str]:
+    """`--section.key value` pairs of a train.py command line (the last one wins)."""
+    out, i = {}, 0
+    while i < len(args):
+        key = args[i]
+        if key.startswith("--") and "=" in key:
+            k, v = key[2:].split("=", 1)
+            out[k], i = v, i + 1
+        elif key.startswith("--"):
+            out[key[2:]], i = args[i + 1], i + 2
+        else:
+            i += 1
+    return out
+
+
+def _divides(index: int, every: int) -> bool:
+    return (index + 1) % every == 0
+
+
+def expected_layout(nproc: int, args: list[str], n_layers: int = 2) -> dict:
+    """What a run with these arguments must build, derived from the arguments alone."""
+    o = _options(args)
+    n_layers = int(o.get("model.n_layers", n_layers))
+    tp = int(o.get("parallelism.tensor_parallel_degree", 1))
+    pp = int(o.get("parallelism.pipeline_parallel_degree", 1))
+    rep = int(o.get("parallelism.data_parallel_replicate_degree", 1))
+    shard = nproc // (tp * pp * rep)
+    stage = int(o.get("parallelism.zero_stage", 3))
+    if rep * shard == 1:
+        dp = {"kind": "none", "zero_stage": None}
+    elif shard == 1 or stage < 3:
+        dp = {"kind": "zero", "zero_stage": 0 if shard == 1 else stage}
+    else:
+        dp = {"kind": "fsdp", "zero_stage": 3}
+    schedule = o.get("parallelism.pipeline_parallel_schedule", "1F1B") if pp > 1 else None
+    multi = schedule is not None and schedule.lower() not in ("1f1b", "gpipe")
+    ac, sac = (
+        o.get("activation_checkpoint.mode", "none"),
+        o.get("activation_checkpoint.selective_ac_option", "2"),
+    )
+    return {
+        "world_size": nproc,
+        "mesh": {
+            n: d
+            for n, d in (("pp", pp), ("dp_replicate", rep), ("dp_shard", shard), ("tp", tp))
+            if d > 1
+        },
+        "schedule": schedule,
+        "stages_per_rank": (2 if multi else 1),
+        "layers_per_rank": n_layers // pp
+        if "parallelism.pipeline_parallel_split_points" not in o
+        else None,
+        "n_layers": n_layers,
+        "data_parallel": dp,
+        # how many times the block weights are cut on each rank
+        "block_divisor": tp * (shard if dp["zero_stage"] in (1, 2, 3) else 1),
+        "ac": ac,
+        "ac_every": None if ac != "selective" or sac == "op" else int(sac),
+        "ac_op": ac == "selective" and sac == "op",
+        "compiled": o.get("compile.enable", "false") == "true"
+        and "model" in o.get("compile.components", "model"),
+    }
+
+
+def assert_layout(folder: Path, nproc: int, args: list[str], n_layers: int = 2) -> dict:
+    """The run's `layout.json` matches what `args` asked for (see `expected_layout`)."""
+    want = expected_layout(nproc, args, n_layers)
+    got = json.loads((Path(folder) / "layout.json").read_text())
+    assert got["world_size"] == want["world_size"], got["world_size"]
+    assert got["mesh"] == want["mesh"], f"built mesh {got['mesh']}, asked for {want['mesh']}"
+    if want["schedule"] is None:
+        assert got["pipeline_schedule"] is None, got["pipeline_schedule"]
+    else:
+        name = (got["pipeline_schedule"] or "").lower()
+        assert name == "schedule" + want["schedule"].lower(), (name, want["schedule"])
+    all_layers = set()
+    for r in got["ranks"]:
+        where = f"rank {r['rank']}"
+        dp = {k: r["data_parallel"][k] for k in ("kind", "zero_stage")}
+        assert dp == want["data_parallel"], f"{where}: data parallel {dp} vs {want}"
+        if want["schedule"] is not None:
+            assert r["stages"] == want["stages_per_rank"], f"{where}: {r['stages']} stages"
+        if want["layers_per_rank"] is not None:
+            assert len(r["layers"]) == want["layers_per_rank"], f"{where}: {r['layers']}"
+        all_layers |= set(r["layers"])
+        # the sharding the layout implies: every block matrix cut tp x (ZeRO-1..3 shards)
+        n = r["numel"]
+        assert n["local_blocks_2d"] * want["block_divisor"] == n["global_blocks_2d"], (
+            f"{where}: holds {n['local_blocks_2d']} of {n['global_blocks_2d']} block weight "
+            f"elements, expected 1/{want['block_divisor']}"
+        )
+        if "tp" in want["mesh"]:
+            assert r["placements"]["tp"].get("Shard(0)", 0) > 0, r["placements"]
+        layers = [int(k) for k in r["layers"]]
+        ac = {
+            "none": [],
+            "full": layers,
+            "selective": [i for i in layers if want["ac_op"] or _divides(i, want["ac_every"] or 1)],
+        }[want["ac"]]
+        assert sorted(int(k) for k in r["ac_blocks"]) == sorted(ac), f"{where}: {r['ac_blocks']}"
+        op = sorted(layers) if want["ac_op"] else []
+        assert sorted(int(k) for k in r["ac_selective_op_blocks"]) == op, where
+        compiled = sorted(layers) if want["compiled"] else []
+        assert sorted(int(k) for k in r["compiled_blocks"]) == compiled, f"{where}: compile"
+    assert all_layers == {str(i) for i in range(want["n_layers"])}, sorted(all_layers)
+    return got
