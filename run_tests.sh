@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # Whole test suite: bootstraps the pinned environment, checks lint/format, runs pytest.
 # Extra arguments go to pytest (e.g. ./run_tests.sh -k config -x).
+# ./run_tests.sh --mutants runs the mutation check instead (scripts/mutation_check.py).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "$ROOT/scripts/bootstrap_env.sh"
 cd "$ROOT"
+if [ "${1:-}" = "--mutants" ]; then
+  shift
+  exec python scripts/mutation_check.py "$@"
+fi
 ruff check .
 ruff format --check .
 exec python -m pytest "$@"

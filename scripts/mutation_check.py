@@ -1,0 +1,303 @@
+"""Plants known bugs one at a time and checks that the test suite catches each of them.
+
+    python scripts/mutation_check.py                 # every mutant, table to stdout
+    python scripts/mutation_check.py --only tp_not_applied,dp_offset_off_by_one
+    python scripts/mutation_check.py --list          # the catalogue, nothing run
+    python scripts/mutation_check.py --markdown docs/mutation_check.md
+
+Each mutant is one exact text replacement in one product file. For each, the tracked tree is
+copied to a temporary folder, the replacement is applied there (the working tree is never
+touched), and only the tests that target the mutant run there (`pytest NODE ...`; the parity
+tests launch only the runs the selected tests need). A mutant is caught when at least one of
+its target tests fails. The target tests pass on the unmutated tree: the suite runs them in
+the same CI job, before this script. Exit status 1 if any mutant is missed, or if a mutant's
+text is no longer found in its file (the catalogue must follow the code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PARITY = "tests/test_parallel_parity.py::test_layout_matches_one_process"
+PP_PARITY = "tests/test_pipeline_parity.py::test_pipeline_matches_one_process"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    bug: str  # what is planted, in words
+    path: str  # product file, relative to the repository root
+    old: str  # exact text; must occur once in the file
+    new: str
+    tests: tuple[str, ...]  # pytest node ids that must catch it
+
+
+MUTANTS = [
+    Mutant(
+        "zero1_1d_grads_not_averaged",
+        "ZeRO-1/DDP: 1-D (norm) gradients are not all-reduced across data-parallel ranks",
+        "parallelisms/zero.py",
+        "work = dist.all_reduce(local, group=self.group, async_op=True)",
+        "work = dist.all_reduce(\n"
+        "            local if local.ndim > 1 else local.new_zeros(()), group=self.group,"
+        " async_op=True\n        )",
+        (f"{PARITY}[zero1_4]",),
+    ),
+    Mutant(
+        "weight_decay_on_norms_and_embeddings",
+        "weight decay applied to norms and embeddings (no no-decay group)",
+        "training/optimizer.py",
+        "(keep if any(s in name for s in no_decay) else decay).append(p)",
+        "decay.append(p)",
+        ("tests/test_training_units.py::test_no_weight_decay_on_norms_and_embeddings",),
+    ),
+    Mutant(
+        "tp_not_applied",
+        "tensor parallelism silently not applied (TP mesh built, plan skipped)",
+        "models/llama3/parallelize.py",
+        "    if parallel_dims.tp_enabled:\n",
+        "    if False:\n",
+        (f"{PARITY}[tp2]",),
+    ),
+    Mutant(
+        "ac_not_applied",
+        "activation checkpointing silently not applied",
+        "models/llama3/parallelize.py",
+        '    if ac.mode != "none":\n',
+        "    if False:\n",
+        (f"{PARITY}[ddp2_ac_full]",),
+    ),
+    Mutant(
+        "compile_not_applied",
+        "torch.compile silently not applied to the blocks",
+        "models/llama3/parallelize.py",
+        '    if comp.enable and "model" in comp.components:\n',
+        "    if False:\n",
+        (f"{PARITY}[tp2_compile_ac_op]",),
+    ),
+    Mutant(
+        "pp_stage_left_out_of_clip",
+        "gradient clipping: one pipeline stage's gradients left out of the global norm",
+        "training/step.py",
+        "dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=pp_group)",
+        "dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=pp_group)",
+        (f"{PP_PARITY}[pp2_1f1b]",),
+    ),
+    Mutant(
+        "loss_over_local_tokens_under_accumulation",
+        "loss divided by the micro-batch's tokens instead of the optimizer step's",
+        "training/trainer.py",
+        "return token_loss_sum(logits, labels) / tokens_per_rank_step",
+        "return token_loss_sum(logits, labels) / (t.local_batch_size * t.seq_len)",
+        (f"{PARITY}[zero2_2_accum_ac_sel2]",),
+    ),
+    Mutant(
+        "dp_offset_off_by_one",
+        "data-parallel slice offset off by one (ranks 0 and 1 read the same sequences)",
+        "data/dataloader.py",
+        "keep=k % self.dp_degree == self.dp_rank",
+        "keep=k % self.dp_degree == max(self.dp_rank - 1, 0)",
+        ("tests/test_data_loader.py::test_rank_slices_partition_global_batch",),
+    ),
+    Mutant(
+        "hsdp_replicas_not_averaged",
+        "HSDP: gradients not averaged across the replicate groups (FSDP over dp_shard only)",
+        "parallelisms/fsdp.py",
+        'dp_names = tuple(n for n in ("dp_replicate", "dp_shard") if n in names)',
+        'dp_names = tuple(n for n in ("dp_shard",) if n in names)',
+        (f"{PARITY}[hsdp_2x2]",),
+    ),
+    Mutant(
+        "lr_scheduler_not_restored",
+        "resume: the LR scheduler's state is not restored",
+        "checkpoint/state.py",
+        '        lr_scheduler.load_state_dict(sd["lr_scheduler"])\n',
+        "        pass\n",
+        ("tests/test_checkpoint.py::test_resume_continues_bit_identically",),
+    ),
+    Mutant(
+        "loader_position_not_restored",
+        "resume: the data loader's position is not restored",
+        "data/dataloader.py",
+        '        """Continue from a saved global position (saved at any dp degree)."""\n',
+        '        """Continue from a saved global position (saved at any dp degree)."""\n'
+        "        return\n",
+        ("tests/test_data_loader.py::test_exact_resume_in_fresh_loader",),
+    ),
+    Mutant(
+        "rope_scaling_ignored_for_8b",
+        "Llama 3.1 8B built without its RoPE frequency scaling",
+        "models/llama3/__init__.py",
+        "        multiple_of=1024,\n        rope_theta=500000,\n        use_scaled_rope=True,\n",
+        "        multiple_of=1024,\n        rope_theta=500000,\n        use_scaled_rope=False,\n",
+        ("tests/test_model.py", "tests/test_config.py"),
+    ),
+    Mutant(
+        "async_copy_not_awaited_before_step",
+        "async checkpoint: the optimizer steps before the save's copy of the weights is done",
+        "checkpoint/manager.py",
+        "register_step_pre_hook(\n            lambda *_: self.maybe_wait_for_staging()\n",
+        "register_step_pre_hook(\n            lambda *_: None\n",
+        ("tests/test_checkpoint.py::test_optimizer_step_waits_for_the_async_copy",),
+    ),
+    Mutant(
+        "init_seed_depends_on_rank",
+        "initial weights drawn from a seed that depends on the rank",
+        "parallelisms/init_weights.py",
+        "gen = torch.Generator(device=where).manual_seed(param_seed(seed, name))",
+        "gen = torch.Generator(device=where).manual_seed(\n"
+        "            param_seed(seed + torch.distributed.get_rank(), name)\n        )",
+        (f"{PARITY}[zero3_4]",),
+    ),
+    Mutant(
+        "loss_replicas_ignore_pipeline",
+        "logged loss averaged over every rank although only last-stage ranks hold one",
+        "training/trainer.py",
+        "loss_replicas = parallel_dims.world_size // parallel_dims.pp",
+        "loss_replicas = parallel_dims.world_size",
+        (f"{PP_PARITY}[pp2_1f1b]",),
+    ),
+    Mutant(
+        "clip_norm_of_one_group",
+        "global gradient norm taken from one group of gradients (e.g. the TP-sharded ones)",
+        "training/step.py",
+        "    elif len(norms) == 1:\n",
+        "    elif True:\n",
+        (f"{PARITY}[tp2]",),
+    ),
+]
+
+
+def tracked_files(root: Path) -> list[str]:
+    out = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=root,
+        check=True,
+        capture_output=True,
+    ).stdout
+    return [f for f in out.decode().split("\0") if f and (root / f).is_file()]
+
+
+def mutated(mutant: Mutant, tree: Path) -> str:
+    """The mutant's file in `tree` with the bug planted."""
+    text = (tree / mutant.path).read_text()
+    found = text.count(mutant.old)
+    if found != 1:
+        raise ValueError(
+            f"mutant {mutant.name}: its text occurs {found} times in {mutant.path} (must be "
+            "once): update the catalogue in scripts/mutation_check.py to follow the code"
+        )
+    return text.replace(mutant.old, mutant.new)
+
+
+def failed_tests(junit: Path) -> list[str]:
+    """Names of the tests that failed or errored, from pytest's JUnit XML report."""
+    if not junit.is_file():
+        return []
+    names = []
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        if case.find("failure") is not None or case.find("error") is not None:
+            names.append(case.get("name", "?"))
+    return names
+
+
+def run_mutant(mutant: Mutant, files: list[str], workdir: Path, timeout: float) -> dict:
+    tree = workdir / mutant.name
+    for f in files:
+        (tree / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / f, tree / f)
+    (tree / mutant.path).write_text(mutated(mutant, tree))
+    junit = workdir / f"{mutant.name}.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x"]
+    cmd += [f"--junitxml={junit}", "--basetemp", str(workdir / f"{mutant.name}_tmp")]
+    cmd += list(mutant.tests)
+    # the tokenizer and token caches of this tree: the mutants change no data format
+    env = {**os.environ, "MESHTRAIN_CACHE": str(ROOT / ".cache")}
+    env.pop("CI", None)  # a skip is not a catch, and here it must not become a failure
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(
+            cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout
+        )
+        rc, output = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, output = -1, f"timed out after {timeout:.0f} s\n{e.stdout or ''}"
+    failed = failed_tests(junit)
+    shutil.rmtree(tree, ignore_errors=True)
+    return {
+        "mutant": mutant,
+        "failed": failed,
+        # rc 5: no test collected, i.e. a target that does not exist (a catalogue error)
+        "caught": rc not in (0, 5, -1) and bool(failed),
+        "seconds": time.monotonic() - t0,
+        "output": output[-3000:],
+    }
+
+
+def table(results: list[dict]) -> str:
+    rows = ["| planted bug | file | target tests | failed tests | caught | s |", "|---" * 6 + "|"]
+    for r in results:
+        m = r["mutant"]
+        targets = ", ".join(f"`{t.split('::', 1)[-1]}`" for t in m.tests)
+        failed = ", ".join(f"`{f}`" for f in r["failed"]) or "none"
+        rows.append(
+            f"| {m.bug} | `{m.path}` | {targets} | {failed} | "
+            f"{'yes' if r['caught'] else '**NO**'} | {r['seconds']:.0f} |"
+        )
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--only", default="", help="comma-separated mutant names")
+    ap.add_argument("--list", action="store_true", help="print the catalogue and exit")
+    ap.add_argument("--markdown", default="", help="also write the result table to this file")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per mutant")
+    args = ap.parse_args(argv)
+    mutants = MUTANTS
+    if args.only:
+        names = set(args.only.split(","))
+        unknown = names - {m.name for m in MUTANTS}
+        if unknown:
+            ap.error(f"unknown mutants {sorted(unknown)}; see --list")
+        mutants = [m for m in MUTANTS if m.name in names]
+    if args.list:
+        for m in mutants:
+            print(f"{m.name}: {m.bug} ({m.path}) -> {', '.join(m.tests)}")
+        return 0
+    files = tracked_files(ROOT)
+    for m in mutants:  # every mutant still applies, before anything runs
+        mutated(m, ROOT)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="mutation_") as tmp:
+        for i, m in enumerate(mutants, 1):
+            print(f"[{i}/{len(mutants)}] {m.name}: {m.bug}", flush=True)
+            r = run_mutant(m, files, Path(tmp), args.timeout)
+            verdict = "caught by " + ", ".join(r["failed"]) if r["caught"] else "MISSED"
+            print(f"    {verdict} ({r['seconds']:.0f} s)", flush=True)
+            if not r["caught"]:
+                print(r["output"], flush=True)
+            results.append(r)
+    text = table(results)
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text + "\n")
+    missed = [r["mutant"].name for r in results if not r["caught"]]
+    print(f"mutation check: {len(results) - len(missed)} of {len(results)} planted bugs caught")
+    if missed:
+        print(f"missed: {', '.join(missed)}")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
