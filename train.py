@@ -19,10 +19,9 @@ import torch
 from checkpoint import CheckpointError
 from config import ConfigError, JobConfig, config_notes, config_to_toml, help_text, parse_args
 from config.loader import Problems, check_layout_options, validate
-from models import get_model_spec, model_args_for
+from models import get_model_spec, import_families, model_args_for
 from parallelisms.parallel_dims import ParallelDims, ParallelismError
 from parallelisms.pipeline import validate_pipeline_config
-from parallelisms.tensor_parallel import check_tp
 from training.distributed import LaunchError, device_type, launch_env, pick_device
 
 logger = logging.getLogger("meshtrain")
@@ -81,7 +80,9 @@ def check_config(cfg: JobConfig, world_size: int) -> ParallelDims:
             )
         check_layout_options(cfg, dims.dp_shard, dims.dp, problems)
     if args is not None:
-        problems.run(check_tp, args.n_heads, args.kv_heads, t.seq_len, p.tensor_parallel_degree)
+        spec = get_model_spec(cfg.model.name)
+        for problem in spec.validate(cfg, args) if spec.validate else []:
+            problems.add(ParallelismError(problem))
         problems.run(
             validate_pipeline_config,
             p,
@@ -179,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         cfg = parse_args(argv, check=False)  # checked below, with the layout: one message
+        try:  # before any check: it may register the model family the config names
+            import_families(cfg.job.custom_import)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if cfg.job.dry_run:  # the layout is for the real cluster, not this process
             validate(cfg)
             dry_run(cfg)

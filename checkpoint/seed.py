@@ -20,7 +20,7 @@ logger = logging.getLogger("meshtrain")
 def build_full_model(cfg, vocab_size: int | None):
     """The plain model, materialised on CPU and initialised as in every training layout."""
     from models import get_model_spec, model_args_for
-    from parallelisms.init_weights import init_weights
+    from parallelisms.init_weights import materialize
 
     spec = get_model_spec(cfg.model.name)
     try:
@@ -29,11 +29,7 @@ def build_full_model(cfg, vocab_size: int | None):
         raise CheckpointError(str(e)) from None
     with torch.device("meta"):
         model = spec.model_cls(args)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        init_weights(model, cfg.debug.seed)
-    model.init_buffers("cpu")
-    return model
+    return materialize(model, cfg.debug.seed, "cpu")
 
 
 def create_seed_checkpoint(cfg, world_size: int) -> Path:

@@ -32,6 +32,11 @@ class Job:
     config_file: str = opt("", "TOML preset that was loaded (set by --config)")
     dump_folder: str = opt("./outputs", "Output folder: resolved config, logs, metrics, TB")
     description: str = opt("", "Free-text description of the run, logged at start")
+    custom_import: str = opt(
+        "",
+        "A module to import first (a dotted name on the Python path, or a .py file or package "
+        "folder): it may register model families with models.register",
+    )
     dry_run: bool = opt(False, "Build the model on the meta device, report its size and exit")
     simulate_world_size: int = opt(
         0,

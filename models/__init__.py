@@ -1,14 +1,33 @@
-"""Model registry: a model name maps to its class, flavors, parallelize and pipeline functions.
+"""Model registry: a model name maps to its family's `ModelSpec`, everything the framework
+knows about an architecture.
 
-To add an architecture, copy `models/llama3/` to `models/<name>/`, edit it, and add one
-`ModelSpec` entry below; the trainer needs no change.
+The contract a family folder `models/<name>/` fulfils (Llama 3 and Qwen3 are the examples):
+- `model_cls(args)` builds the model on any device (meta included) and knows no parallelism:
+  blocks in `model.layers` (a ModuleDict keyed by layer index), optional `tok_embeddings`,
+  `norm`, `output` (None on pipeline stages that lack them), `init_param(name, tensor,
+  generator)` (the full value of one parameter), `init_buffers(device)`, and `tie_weights()`
+  when some parameters are shared (called again after materialisation, which unties them);
+- `args` dataclass fields the framework reads: `n_layers`, `n_heads`, `head_dim`, `dim`,
+  `vocab_size`, `max_seq_len`; the `[model]` shape overrides replace fields of that name;
+- `parallelize_fn(model, parallel_dims, job_config, device_type)`: TP plan, AC, compile and
+  FSDP units applied with the generic `parallelisms` functions (plans are data in the family);
+- `pipeline_fn` (optional): how the model is cut into stages;
+- `validate(cfg, args) -> list[str]` (optional): what this family cannot run, checked with the
+  config before any process group starts.
+
+Families outside this tree register themselves with `register(ModelSpec(...))` in a module
+that `job.custom_import` names.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import importlib.util
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from models.llama3 import Transformer, llama3_flavors
@@ -19,8 +38,9 @@ class ModelSpec:
     name: str
     model_cls: type
     flavors: dict[str, Any]
-    parallelize_fn: Callable  # (model, parallel_dims, job_config) -> model
+    parallelize_fn: Callable  # (model, parallel_dims, job_config, device_type) -> model
     pipeline_fn: Callable | None  # (model, parallel_dims, job_config, device, loss_fn) -> stages
+    validate: Callable[[Any, Any], list[str]] | None = None  # (job_config, args) -> problems
 
 
 def _llama3_parallelize(*args, **kwargs):
@@ -35,17 +55,61 @@ def _llama3_pipeline(*args, **kwargs):
     return pipeline_llama(*args, **kwargs)
 
 
-MODELS: dict[str, ModelSpec] = {
-    "llama3": ModelSpec(
-        "llama3", Transformer, llama3_flavors, _llama3_parallelize, _llama3_pipeline
-    ),
-}
+def _llama3_validate(cfg, args) -> list[str]:
+    from models.llama3.parallelize import validate_llama
+
+    return validate_llama(cfg, args)
+
+
+MODELS: dict[str, ModelSpec] = {}
+
+
+def register(spec: ModelSpec) -> ModelSpec:
+    """Adds a family to the registry (a repeated name is an error: one family per name)."""
+    if spec.name in MODELS and MODELS[spec.name] is not spec:
+        raise ValueError(f"model family '{spec.name}' is registered twice")
+    MODELS[spec.name] = spec
+    return spec
+
+
+register(
+    ModelSpec(
+        "llama3",
+        Transformer,
+        llama3_flavors,
+        _llama3_parallelize,
+        _llama3_pipeline,
+        _llama3_validate,
+    )
+)
+
+
+def import_families(target: str) -> None:
+    """Imports `job.custom_import`: a dotted module name, or the path of a .py file or of a
+    package folder; a family it registers is then available by name."""
+    if not target:
+        return
+    path = Path(target)
+    try:
+        if path.exists():
+            init = path / "__init__.py" if path.is_dir() else path
+            name = path.stem if path.is_file() else path.name
+            spec = importlib.util.spec_from_file_location(name, init)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+        else:
+            importlib.import_module(target)
+    except Exception as e:
+        raise ValueError(f"job.custom_import = '{target}' failed: {type(e).__name__}: {e}") from e
 
 
 def get_model_spec(name: str) -> ModelSpec:
     if name not in MODELS:
         raise ValueError(
-            f"model.name = '{name}' is not registered. Known models: {', '.join(MODELS)}."
+            f"model.name = '{name}' is not registered. Known models: {', '.join(MODELS)} "
+            "(a family outside this tree registers itself in the module job.custom_import "
+            "names)."
         )
     return MODELS[name]
 
@@ -77,7 +141,15 @@ def build_model_args(
             f"model.flavor = '{flavor}' is not a flavor of '{name}'. "
             f"Available: {', '.join(spec.flavors)}."
         )
-    args = dataclasses.replace(spec.flavors[flavor], max_seq_len=seq_len, **(overrides or {}))
+    base = spec.flavors[flavor]
+    fields = {f.name for f in dataclasses.fields(base)}
+    unknown = sorted(set(overrides or {}) - fields)
+    if unknown:
+        raise ValueError(
+            f"model.name = '{name}' has no {', '.join(unknown)} (set by the [model] section's "
+            "overrides): drop them for this family."
+        )
+    args = dataclasses.replace(base, max_seq_len=seq_len, **(overrides or {}))
     if vocab_size is not None:
         args = dataclasses.replace(args, vocab_size=vocab_size)
     return args

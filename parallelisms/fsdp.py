@@ -24,6 +24,9 @@ shard is a redundant copy (with bf16 it plays the paper's fp32 master weights, w
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
@@ -54,9 +57,21 @@ def fsdp_mesh(parallel_dims: ParallelDims) -> DeviceMesh:
     return parallel_dims.mesh[dp_names]
 
 
+@dataclass
+class FsdpUnit:
+    """Modules sharded and gathered together (one `fully_shard` call), from the model family:
+    "input" units are used first in forward (token embeddings), "block" units are the
+    transformer blocks in order, "output" units are used last in forward and first in backward
+    (final norm and output projection). Tied parameters must sit in one unit."""
+
+    modules: list[nn.Module]
+    role: Literal["input", "block", "output"]
+
+
 def apply_fsdp(
     model: nn.Module,
     dp_mesh: DeviceMesh,
+    units: list[FsdpUnit],
     *,
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
@@ -65,11 +80,10 @@ def apply_fsdp(
     pp_enabled: bool = False,
     pin_memory: bool = True,
 ) -> nn.Module:
-    """ZeRO-3: shards the embeddings, each transformer block and the final norm + output as
-    separate units, then the root.
+    """ZeRO-3: shards each of the family's units, then the root.
 
-    Per-block wrapping keeps each all-gather one block wide so it overlaps the previous
-    block's compute. `reshard_after_forward`: "always" frees gathered weights after forward
+    Per-block units keep each all-gather one block wide so it overlaps the previous block's
+    compute. `reshard_after_forward`: "always" frees gathered weights after forward
     (re-gathered in backward), "never" keeps them until backward (no re-gather, more memory),
     "default" frees them except for the last block, whose backward starts right away, and
     never under pipeline parallelism, whose schedules run many forwards before backwards.
@@ -83,34 +97,34 @@ def apply_fsdp(
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=pin_memory)
     default = reshard_after_forward == "default"
     always = reshard_after_forward == "always"
-    # The token embeddings are used first in forward and last in backward: their own unit,
-    # freed after forward, so a large vocabulary is not held gathered through the whole step;
-    # and never gathered again: an embedding's backward needs the indices and the output
-    # gradient, not the weight (FSDP reduce-scatters its gradient at the end of backward).
-    if getattr(model, "tok_embeddings", None) is not None:
-        # nn.Embedding returns a view of its gather; FSDP2 warns that an in-place op on it
-        # would skip the pre-backward all-gather. The blocks only add to it out of place (the
-        # FSDP parity tests check the gradients), so the warning would be noise in every log.
-        warnings.filterwarnings(
-            "ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view tensor"
-        )
-        fully_shard(
-            model.tok_embeddings,
-            reshard_after_forward=always or (default and not pp_enabled),
-            **kwargs,
-        )
-        model.tok_embeddings.set_unshard_in_backward(False)
-    blocks = list(model.layers.values())
-    for i, block in enumerate(blocks):
-        reshard = always or (default and not pp_enabled and i < len(blocks) - 1)
-        fully_shard(block, reshard_after_forward=reshard, **kwargs)
-    # Final norm and output projection are used last in forward and first in backward: one
-    # unit kept gathered between the two (no re-gather), freed after its backward.
-    head = [
-        m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m is not None
-    ]
-    if head:
-        fully_shard(head, reshard_after_forward=always, **kwargs)
+    blocks = [u for u in units if u.role == "block"]
+    for unit in units:
+        modules = unit.modules if len(unit.modules) > 1 else unit.modules[0]
+        if unit.role == "input":
+            # Used first in forward and last in backward: freed after forward, so a large
+            # vocabulary is not held gathered through the whole step.
+            fully_shard(modules, reshard_after_forward=always or (default and not pp_enabled),
+                        **kwargs)  # fmt: skip
+            if all(isinstance(m, nn.Embedding) for m in unit.modules):
+                # An embedding's backward needs the indices and the output gradient, not the
+                # weight: never gathered again (its gradient is reduce-scattered at the end of
+                # backward). nn.Embedding returns a view of its gather; FSDP2 warns that an
+                # in-place op on it would skip the pre-backward all-gather. The blocks only add
+                # to it out of place (the parity tests check the gradients), so the warning
+                # would be noise in every log.
+                warnings.filterwarnings(
+                    "ignore", message=r"FSDP2-wrapped module \(FSDP\w+\) returned a view tensor"
+                )
+                for m in unit.modules:
+                    m.set_unshard_in_backward(False)
+        elif unit.role == "block":
+            last = unit is blocks[-1]
+            fully_shard(modules, reshard_after_forward=always or (default and not pp_enabled
+                        and not last), **kwargs)  # fmt: skip
+        else:
+            # Used last in forward and first in backward: kept gathered between the two (no
+            # re-gather), freed after its backward.
+            fully_shard(modules, reshard_after_forward=always, **kwargs)
     # The root holds no parameters of its own now; it runs FSDP's lazy init and waits for the
     # last reduce-scatters at the end of backward.
     fully_shard(model, reshard_after_forward=always, **kwargs)
@@ -118,9 +132,14 @@ def apply_fsdp(
 
 
 def apply_data_parallel(
-    model: nn.Module, parallel_dims: ParallelDims, job_config, device_type: str
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    job_config,
+    device_type: str,
+    fsdp_units: Callable[[nn.Module], list[FsdpUnit]],
 ) -> nn.Module:
-    """Applies `parallelism.zero_stage` over the data-parallel mesh (see the module doc)."""
+    """Applies `parallelism.zero_stage` over the data-parallel mesh (see the module doc);
+    `fsdp_units(model)` gives the family's FSDP units for stage 3."""
     t, p = job_config.training, job_config.parallelism
     param_dtype, reduce_dtype = mixed_precision_dtypes(t, device_type)
     stage = parallel_dims.zero_stage
@@ -130,6 +149,7 @@ def apply_data_parallel(
         return apply_fsdp(
             model,
             fsdp_mesh(parallel_dims),
+            fsdp_units(model),
             param_dtype=param_dtype,
             reduce_dtype=reduce_dtype,
             reshard_after_forward=p.fsdp_reshard_after_forward,

@@ -50,3 +50,16 @@ def init_weights(model: nn.Module, seed: int, device: torch.device | str | None 
         full = torch.empty(param.shape, dtype=param.dtype, device=where)
         model.init_param(name, full, gen)
         copy_full_into(param, full)
+
+
+def materialize(model: nn.Module, seed: int, device, init_device=None) -> nn.Module:
+    """Meta-device model (or stage, sharded or not) -> real storage on `init_device` (default
+    `device`), shared parameters tied again (`to_empty` gives each module its own), weights
+    initialised identically under every layout (drawn on `device`), buffers filled."""
+    model.to_empty(device=init_device or device)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    with torch.no_grad():
+        init_weights(model, seed, device)
+    model.init_buffers(device)
+    return model

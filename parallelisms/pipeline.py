@@ -384,3 +384,52 @@ def forward_only(
     if losses is not None and num_stages - 1 in by_id:
         losses.clear()
         losses.extend(mb_losses)
+
+
+def stage_module_names(
+    n_layers: int, parallelism, first: Sequence[str], last: Sequence[str]
+) -> list[list[str]]:
+    """Module names of every stage, in pipeline order: the planned `layers.<i>`, with the
+    family's `first` modules (token embeddings) on the first stage and `last` ones (final
+    norm, output projection) on the last."""
+    plan = plan_stage_layers(
+        n_layers,
+        parallelism.pipeline_parallel_degree,
+        parallelism.pipeline_parallel_schedule,
+        layers_per_stage=parallelism.pipeline_parallel_layers_per_stage,
+        split_points=parallelism.pipeline_parallel_split_points,
+    )
+    names = [[f"layers.{i}" for i in layers] for layers in plan]
+    names[0][:0] = list(first)
+    names[-1].extend(last)
+    return names
+
+
+def build_pipeline(
+    model: nn.Module,
+    parallel_dims,
+    job_config,
+    device: torch.device,
+    loss_fn,
+    names: list[list[str]],
+    parallelize: Callable[[nn.Module], nn.Module],
+):
+    """Splits the meta-device model into this rank's stages (`names` per stage), parallelizes
+    each over the other mesh dimensions, and builds the schedule.
+
+    Returns (model_parts, schedule, has_first_stage, has_last_stage)."""
+    p = job_config.parallelism
+    pp_mesh = parallel_dims.dim("pp")
+    pp = pp_mesh.size()
+    cls = schedule_class(p.pipeline_parallel_schedule)
+    stage_ids = stage_ids_for_rank(pp_mesh.get_local_rank(), pp, len(names), is_v_schedule(cls))
+    n_micro = microbatch_count(
+        p.pipeline_parallel_schedule,
+        job_config.training.local_batch_size,
+        p.pipeline_parallel_microbatch_size,
+        pp,
+        len(names),
+    )
+    parts, stages = build_stages(model, names, stage_ids, pp_mesh.get_group(), device, parallelize)
+    schedule = build_schedule(stages, p.pipeline_parallel_schedule, n_micro, loss_fn)
+    return parts, schedule, any(s.is_first for s in stages), any(s.is_last for s in stages)

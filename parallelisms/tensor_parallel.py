@@ -1,24 +1,21 @@
-"""Tensor parallelism with sequence parallelism (Megatron-style), after torchtitan's Llama plan.
+"""Tensor parallelism with sequence parallelism (Megatron-style), applied from a family's plan.
 
-Inside a block, the attention and feed-forward inputs are all-gathered along the sequence
-(`PrepareModuleInput` Shard(1) -> Replicate), the input projections are split by output
-features (colwise: each rank holds a slice of the heads / hidden units), and the output
-projections by input features (rowwise), whose partial sums are reduce-scattered back to
-sequence shards. Norms and residual adds run on sequence shards (`SequenceParallel`).
+A model family describes its TP plan as data (`TPPlan`: module path -> torch `ParallelStyle`,
+for the root modules and for every block of `model.layers`), in its own `parallelize.py`.
+This module applies any such plan and names no module of any model. After applying it, every
+parameter must be a DTensor on the TP mesh: one the plan left out is an error naming it (a
+plain tensor beside DTensors fails much later, at the first optimizer step, naming nothing),
+unless the plan lists its module under `REPLICATE`, which replicates it on the TP mesh.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor import DTensor, distribute_module
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from parallelisms.parallel_dims import ParallelismError
 
@@ -42,49 +39,50 @@ def check_tp(n_heads: int, n_kv_heads: int, seq_len: int, tp: int) -> None:
         )
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> nn.Module:
-    """Shards `model` (a Llama Transformer or pipeline stage of one) over `tp_mesh`.
+# A plan value that replicates a module's parameters on the TP mesh (no sharding, no layout
+# change of its inputs/outputs): for small parameters that each rank needs whole.
+REPLICATE = "replicate"
 
-    With `loss_parallel` the logits stay vocabulary-sharded DTensors (Shard(-1)) for
-    `torch.distributed.tensor.parallel.loss_parallel()`; otherwise they are gathered.
-    """
-    root_plan = {}
-    if model.tok_embeddings is not None:
-        # Token ids are replicated; each rank looks up its vocabulary rows, then the partial
-        # embeddings are reduce-scattered into sequence shards.
-        root_plan["tok_embeddings"] = RowwiseParallel(
-            input_layouts=Replicate(), output_layouts=Shard(1)
-        )
-    if model.norm is not None:
-        root_plan["norm"] = SequenceParallel()
-    if model.output is not None:
-        root_plan["output"] = ColwiseParallel(
-            input_layouts=Shard(1),
-            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            use_local_output=not loss_parallel,
-        )
-    if root_plan:
-        parallelize_module(model, tp_mesh, root_plan)
 
-    block_plan = {
-        "attention_norm": SequenceParallel(),
-        # All-gather the sequence before attention: every rank needs all positions (RoPE
-        # table and causal mask index the full sequence); `rope` is a plain replicated buffer.
-        "attention": PrepareModuleInput(
-            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
-        ),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-        "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-        ),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        "feed_forward.w3": ColwiseParallel(),
-    }
+@dataclass(frozen=True)
+class TPPlan:
+    """A family's TP plan: module paths (relative to the model root, or to each block of
+    `model.layers`) -> a `ParallelStyle` or `REPLICATE`. Root entries whose module is absent
+    (a pipeline stage without the embeddings, say) are skipped."""
+
+    root: dict[str, ParallelStyle | str] = field(default_factory=dict)
+    block: dict[str, ParallelStyle | str] = field(default_factory=dict)
+
+
+def _apply(module: nn.Module, tp_mesh: DeviceMesh, plan: dict) -> None:
+    present = {k: v for k, v in plan.items() if _submodule(module, k) is not None}
+    styles = {k: v for k, v in present.items() if v != REPLICATE}
+    if styles:
+        parallelize_module(module, tp_mesh, styles)
+    for path in (k for k, v in present.items() if v == REPLICATE):
+        distribute_module(_submodule(module, path), tp_mesh)
+
+
+def _submodule(module: nn.Module, path: str) -> nn.Module | None:
+    for part in path.split("."):
+        module = getattr(module, part, None)
+        if module is None:
+            return None
+    return module
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> nn.Module:
+    """Shards `model` (a whole model or a pipeline stage of one) over `tp_mesh` by `plan`;
+    raises naming every parameter the plan leaves as a plain tensor."""
+    _apply(model, tp_mesh, plan.root)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan)
+        _apply(block, tp_mesh, plan.block)
+    missed = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    if missed:
+        raise ParallelismError(
+            f"tensor parallelism: the model's TP plan covers no module of {len(missed)} "
+            f"parameter(s): {', '.join(missed[:8])}{' ...' if len(missed) > 8 else ''}. Add "
+            "their modules to the family's TPPlan (models/<name>/parallelize.py), with "
+            "tensor_parallel.REPLICATE for parameters every rank keeps whole."
+        )
     return model

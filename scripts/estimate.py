@@ -35,14 +35,16 @@ LLAMA_13B = ModelArgs(
 )
 
 
-def count(args) -> tuple[int, int]:
-    """(parameters, parameters without the embedding) of a model shape, on meta."""
+def count(args, name: str = "llama3") -> tuple[int, int]:
+    """(parameters, parameters doing matmul work: without the embeddings unless an output
+    projection shares them) of family `name`'s model with these args, on meta."""
     import torch
 
+    from metrics import count_params
+
     with torch.device("meta"):
-        model = get_model_spec("llama3").model_cls(args)
-    n = sum(p.numel() for p in model.parameters())
-    return n, n - model.tok_embeddings.weight.numel()
+        model = get_model_spec(name).model_cls(args)
+    return count_params(model), count_params(model, exclude_embedding=True)
 
 
 def report(
@@ -118,7 +120,7 @@ def advise_report(
     cfg: JobConfig, cluster: est.Cluster, global_batch: int, verify: bool = True
 ) -> str:
     args = model_args_for(cfg.model, cfg.training.seq_len)
-    n, n_no_emb = count(args)
+    n, n_no_emb = count(args, cfg.model.name)
     t = cfg.training
     fpt = flops_per_token(n_no_emb, args.n_layers, args.n_heads, args.head_dim, t.seq_len)
     best, tried = est.advise(

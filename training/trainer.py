@@ -25,7 +25,7 @@ from metrics.memory import peak_memory_gib, process_rss_gib, reset_peak_memory
 from models import get_model_spec, model_args_for
 from parallelisms.compile import maybe_compile_loss
 from parallelisms.fsdp import mixed_precision_dtypes
-from parallelisms.init_weights import init_weights
+from parallelisms.init_weights import materialize
 from parallelisms.layout_record import built_layout, summarize, write_layout
 from parallelisms.memory_report import memory_report
 from parallelisms.parallel_dims import ParallelDims, log_mesh
@@ -101,7 +101,7 @@ def load_tokenizer(cfg: JobConfig):
 
 
 def build_model_parts(cfg, parallel_dims, model_args, device, loss_fn):
-    """Model on meta -> (pipeline split) -> parallelize -> materialise -> init.
+    """Model on meta -> (pipeline split) -> parallelize -> materialise -> re-tie -> init.
 
     Returns (model_parts, pp_schedule, has_first_stage, has_last_stage).
     """
@@ -117,11 +117,7 @@ def build_model_parts(cfg, parallel_dims, model_args, device, loss_fn):
         schedule, first, last = None, True, True
     init_device = "cpu" if cfg.training.enable_cpu_offload else device
     for part in model_parts:
-        part.to_empty(device=init_device)
-        with torch.no_grad():
-            init_weights(part, cfg.debug.seed, device)
-        part.init_buffers(device)
-        part.train()
+        materialize(part, cfg.debug.seed, device, init_device).train()
     return model_parts, schedule, first, last
 
 

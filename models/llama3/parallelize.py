@@ -1,15 +1,74 @@
-"""How Llama 3 is parallelized: tensor parallel -> activation checkpointing -> compile ->
-data parallel (FSDP2 / ZeRO). Works on the whole model or on one pipeline stage of it."""
+"""How Llama 3 is parallelized: its TP plan and FSDP units as data, and the order the generic
+parallelisms are applied in: tensor parallel -> activation checkpointing -> compile -> data
+parallel (FSDP2 / ZeRO). Works on the whole model or on one pipeline stage of it."""
 
 from __future__ import annotations
 
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.compile import apply_compile
-from parallelisms.fsdp import apply_data_parallel
-from parallelisms.parallel_dims import ParallelDims
-from parallelisms.tensor_parallel import apply_tp
+from parallelisms.fsdp import FsdpUnit, apply_data_parallel
+from parallelisms.parallel_dims import ParallelDims, ParallelismError
+from parallelisms.tensor_parallel import TPPlan, apply_tp, check_tp
+
+
+def llama_tp_plan(loss_parallel: bool) -> TPPlan:
+    """Megatron-style TP with sequence parallelism. Token ids are replicated; each rank looks
+    up its vocabulary rows and the partial embeddings are reduce-scattered into sequence
+    shards. Inside a block the attention and feed-forward inputs are all-gathered along the
+    sequence, the input projections split by output features (each rank holds a slice of the
+    heads / hidden units) and the output projections by input features, whose partial sums are
+    reduce-scattered back to sequence shards; norms run on sequence shards. With
+    `loss_parallel` the logits stay vocabulary-sharded (Shard(-1)) for `loss_parallel()`."""
+    return TPPlan(
+        root={
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(
+                input_layouts=Shard(1),
+                output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                use_local_output=not loss_parallel,
+            ),
+        },
+        block={
+            "attention_norm": SequenceParallel(),
+            # every rank needs all positions (the RoPE table and causal mask index the full
+            # sequence); `rope` is a plain replicated buffer
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+            ),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            ),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        },
+    )
+
+
+def llama_fsdp_units(model: nn.Module) -> list[FsdpUnit]:
+    """The token embeddings (first in forward), each block, then the final norm and output
+    projection together (last in forward, first in backward). Modules absent from a pipeline
+    stage are left out."""
+    present = lambda *names: [m for n in names if (m := getattr(model, n, None)) is not None]  # noqa: E731
+    units = [FsdpUnit(present("tok_embeddings"), "input")]
+    units += [FsdpUnit([block], "block") for block in model.layers.values()]
+    units.append(FsdpUnit(present("norm", "output"), "output"))
+    return [u for u in units if u.modules]
 
 
 def parallelize_llama(
@@ -19,7 +78,7 @@ def parallelize_llama(
     if parallel_dims.tp_enabled:
         # First: TP turns the weights into tp-sharded DTensors, which FSDP then shards on dp,
         # and its collectives belong inside the blocks that AC recomputes and compile traces.
-        apply_tp(model, parallel_dims.dim("tp"), loss_parallel=not p.disable_loss_parallel)
+        apply_tp(model, parallel_dims.dim("tp"), llama_tp_plan(not p.disable_loss_parallel))
     if ac.mode != "none":
         # Before compile, so each compiled block graph contains its checkpointing policy.
         apply_ac(model, ac.mode, ac.selective_ac_option)
@@ -28,5 +87,15 @@ def parallelize_llama(
         apply_compile(model)
     if parallel_dims.dp_enabled:
         # Last: FSDP wraps the final block modules (its units) and shards whatever TP made.
-        apply_data_parallel(model, parallel_dims, job_config, device_type)
+        apply_data_parallel(model, parallel_dims, job_config, device_type, llama_fsdp_units)
     return model
+
+
+def validate_llama(cfg, args) -> list[str]:
+    """What a Llama run cannot do, found from the config before any process group starts."""
+    try:
+        check_tp(args.n_heads, args.kv_heads, cfg.training.seq_len,
+                 cfg.parallelism.tensor_parallel_degree)  # fmt: skip
+    except ParallelismError as e:
+        return [str(e)]
+    return []
