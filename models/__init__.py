@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from models import qwen3
 from models.llama3 import Transformer, llama3_flavors
 
 
@@ -160,3 +161,10 @@ def model_args_for(model_cfg, seq_len: int, vocab_size: int | None = None):
     return build_model_args(
         model_cfg.name, model_cfg.flavor, seq_len, vocab_size, arg_overrides(model_cfg)
     )
+
+
+register(
+    ModelSpec(
+        "qwen3", qwen3.Qwen3, qwen3.flavors, qwen3.parallelize, qwen3.pipeline, qwen3.validate
+    )
+)

@@ -1,0 +1,85 @@
+"""Qwen3 <-> Hugging Face `Qwen3ForCausalLM`: parameter names and config.json fields.
+
+Hugging Face's Qwen3 rotates the two halves of each head (rotate-half RoPE), as this model
+does, so the weights need no permutation, only new names.
+"""
+
+from __future__ import annotations
+
+import re
+
+from models.qwen3.model import Qwen3Args
+
+_BLOCK = {
+    "attention_norm.weight": "input_layernorm.weight",
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+}
+_ROOT = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_BACK = {v: k for k, v in _BLOCK.items()}
+_ROOT_BACK = {v: k for k, v in _ROOT.items()}
+
+
+def to_hf_name(name: str) -> str:
+    if name in _ROOT:
+        return _ROOT[name]
+    layer, rest = re.fullmatch(r"layers\.(\d+)\.(.+)", name).groups()
+    return f"model.layers.{layer}.{_BLOCK[rest]}"
+
+
+def from_hf_name(name: str) -> str:
+    if name in _ROOT_BACK:
+        return _ROOT_BACK[name]
+    layer, rest = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name).groups()
+    return f"layers.{layer}.{_BLOCK_BACK[rest]}"
+
+
+def hf_config(args: Qwen3Args) -> dict:
+    """config.json fields of the equivalent `Qwen3ForCausalLM`."""
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,  # older transformers; newer read rope_parameters
+        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
+        "tie_word_embeddings": args.tie_embeddings,
+        "max_position_embeddings": args.max_seq_len,
+        "hidden_act": "silu",
+        "attention_bias": False,
+    }
+
+
+def args_from_hf_config(config: dict) -> Qwen3Args:
+    rope = config.get("rope_parameters") or {}
+    return Qwen3Args(
+        dim=config["hidden_size"],
+        n_layers=config["num_hidden_layers"],
+        n_heads=config["num_attention_heads"],
+        n_kv_heads=config["num_key_value_heads"],
+        head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+        ffn_dim=config["intermediate_size"],
+        vocab_size=config["vocab_size"],
+        norm_eps=config["rms_norm_eps"],
+        rope_theta=config.get("rope_theta") or rope.get("rope_theta", 1_000_000.0),
+        tie_embeddings=config.get("tie_word_embeddings", False),
+        max_seq_len=config.get("max_position_embeddings", 4096),
+    )

@@ -1,0 +1,158 @@
+"""The model contract: a second family (Qwen3) plugs in with no framework edit, tied weights
+stay tied, a TP plan's gaps are named, model checks run with the config, and a family that
+lives outside this tree trains."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from dist_utils import TINY_CONFIG, spawn
+
+from models import get_model_spec
+from models.qwen3 import Qwen3, Qwen3Args, flavors
+from models.qwen3.hf import args_from_hf_config, from_hf_name, hf_config, to_hf_name
+from parallelisms.init_weights import materialize
+
+ROOT = Path(__file__).resolve().parent.parent
+transformers = pytest.importorskip("transformers")
+
+
+def _hf_tiny(tied: bool):
+    config = transformers.Qwen3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
+        max_position_embeddings=64, tie_word_embeddings=tied,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(config).float().eval()
+    with torch.no_grad():  # HF initialises norms to 1: make them matter
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_qwen3_logits_match_transformers(tied):
+    hf = _hf_tiny(tied)
+    args = args_from_hf_config(hf.config.to_dict())
+    assert args.tie_embeddings == tied and args.head_dim == 32 and args.dim // args.n_heads == 16
+    ours = Qwen3(args).eval()
+    sd = {from_hf_name(k): v for k, v in hf.state_dict().items()}
+    missing, unexpected = ours.load_state_dict(sd, strict=False)
+    assert not unexpected and (missing == [] or (tied and missing == ["output.weight"]))
+    assert (ours.output.weight is ours.tok_embeddings.weight) == tied
+    tokens = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), hf(tokens).logits, rtol=1e-4, atol=1e-4)
+    # names and config round-trip
+    assert all(from_hf_name(to_hf_name(k)) == k for k in ours.state_dict())
+    again = transformers.Qwen3Config(**hf_config(args))
+    assert args_from_hf_config(again.to_dict()) == args
+
+
+@pytest.mark.parametrize("flavor", ["0.6B", "1.7B", "4B", "8B", "14B", "32B"])
+def test_qwen3_flavor_counts_equal_transformers(flavor):
+    args = flavors[flavor]
+    with torch.device("meta"):
+        ours = Qwen3(args)
+        hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**hf_config(args)))
+    count = sum(p.numel() for p in ours.parameters())  # a tied matrix is listed once
+    assert count == sum(p.numel() for p in hf.parameters())
+    if flavor == "0.6B":
+        assert count == 596_049_920  # the published Qwen3-0.6B total
+
+
+def test_tied_weights_survive_materialisation():
+    args = Qwen3Args(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=128,
+                     vocab_size=256)  # fmt: skip
+    with torch.device("meta"):
+        model = Qwen3(args)
+    model.to_empty(device="cpu")
+    assert model.output.weight is not model.tok_embeddings.weight  # what to_empty does
+    materialize(model, seed=0, device="cpu")
+    assert model.output.weight is model.tok_embeddings.weight
+    # embeddings (= output) + final norm + 2 blocks x 11: the tied matrix is one parameter
+    assert len(list(model.parameters())) == len(dict(model.named_parameters())) == 24
+
+
+def _tp_gap(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from models.qwen3.parallelize import qwen3_tp_plan
+    from parallelisms.parallel_dims import ParallelismError
+    from parallelisms.tensor_parallel import TPPlan, apply_tp
+
+    mesh = init_device_mesh("cpu", (world,))
+    args = Qwen3Args(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=128,
+                     vocab_size=256)  # fmt: skip
+    full = qwen3_tp_plan(loss_parallel=True)
+    block = {k: v for k, v in full.block.items() if not k.endswith("_norm")}
+    with torch.device("meta"):
+        model = Qwen3(args)
+    with pytest.raises(ParallelismError) as e:
+        apply_tp(model, mesh, TPPlan(full.root, block))
+    for name in ("layers.0.attention.q_norm.weight", "layers.1.ffn_norm.weight"):
+        assert name in str(e.value)
+    with torch.device("meta"):
+        model = Qwen3(args)
+    apply_tp(model, mesh, full)  # the family's plan covers every parameter
+
+
+def test_tp_plan_gaps_are_named_at_parallelize_time():
+    spawn(_tp_gap, 2)
+
+
+def test_family_checks_run_with_the_config():
+    from config import parse_args
+    from train import check_config
+
+    base = ["--config", "debug_model", "--model.name", "qwen3", "--model.flavor", "debugmodel"]
+    cfg = parse_args([*base, "--parallelism.pipeline_parallel_degree", "2",
+                      "--parallelism.tensor_parallel_degree", "3"])  # fmt: skip
+    with pytest.raises(ValueError) as e:
+        check_config(cfg, world_size=6)
+    text = str(e.value)
+    assert "ties the output projection" in text and "pipeline parallelism" in text
+    assert "tensor_parallel_degree = 3 must divide" in text  # both, in one message
+    cfg = parse_args([*base[:-1], "debugmodel_untied", "--parallelism.pipeline_parallel_degree",
+                      "2"])  # fmt: skip
+    check_config(cfg, world_size=2)
+    assert get_model_spec("qwen3").validate(cfg, flavors["debugmodel_untied"]) == []
+
+
+FAMILY = '''
+"""A family outside the meshtrain tree: Llama's model under another name and flavor."""
+from models import ModelSpec, register
+from models.llama3 import ModelArgs, Transformer
+from models.llama3.parallelize import parallelize_llama, validate_llama
+
+register(ModelSpec("outside", Transformer, {"small": ModelArgs(dim=64, n_layers=2, n_heads=4,
+         n_kv_heads=2, vocab_size=4096)}, parallelize_llama, None, validate_llama))
+'''
+
+
+def test_a_family_registered_outside_the_tree_trains(tmp_path):
+    package = tmp_path / "elsewhere" / "outside_family"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(textwrap.dedent(FAMILY))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "train.py", "--config", str(TINY_CONFIG), "--job.custom_import", str(package),
+           "--model.name", "outside", "--model.flavor", "small", "--training.steps", "3",
+           "--training.local_batch_size", "4", "--job.dump_folder", str(tmp_path / "run")]  # fmt: skip
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    log = (tmp_path / "run" / "logs" / "rank_0.log").read_text()
+    assert "model outside small:" in log and "step 3 |" in log
+    bad = subprocess.run(
+        [sys.executable, "train.py", "--config", str(TINY_CONFIG), "--job.custom_import",
+         str(tmp_path / "nowhere.py"), "--model.name", "outside"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "job.custom_import" in bad.stderr
