@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from parallelisms.parallel_dims import ParallelDims
 
@@ -122,15 +123,30 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 
 
 def _dp_factor(p: torch.Tensor) -> int:
-    """How many data-parallel shards a parameter is cut into (1 if not sharded on dp)."""
+    """How many data-parallel shards a parameter is cut into (1 if not sharded on dp).
+
+    FSDP2 over a TP-sharded DTensor whose TP placement cuts the same dim (ColwiseParallel's
+    Shard(0), the vocab-sharded embedding and output) places it `_StridedShard` on the dp
+    mesh dim, which is not a `Shard` subclass (torch 2.13: `isinstance` and `is_shard()` are
+    both False), so it is named here as well."""
     if not isinstance(p, DTensor):
         return 1
     names = p.device_mesh.mesh_dim_names or ()
     factor = 1
     for i, placement in enumerate(p.placements):
-        if isinstance(placement, Shard) and i < len(names) and "dp" in names[i]:
+        sharded = isinstance(placement, (Shard, _StridedShard))
+        if sharded and i < len(names) and "dp" in names[i]:
             factor *= p.device_mesh.size(i)
     return factor
+
+
+def gathered_elements(module: nn.Module | None) -> int:
+    """Elements of `module`'s parameters one rank holds while FSDP has them all-gathered: its
+    local shard times the data-parallel shards (TP shards stay cut; rank 0's shard is the
+    largest, so this is FSDP's padded all-gather size)."""
+    if module is None:
+        return 0
+    return sum(_local(p).numel() * _dp_factor(p) for p in module.parameters())
 
 
 def state_bytes(part: nn.Module) -> tuple[int, int, int, int]:
@@ -188,15 +204,11 @@ def fsdp_working_bytes(part: nn.Module, param_bytes: int, reduce_bytes: int) -> 
     if not isinstance(part, FSDPModule):
         return 0
 
-    def gathered(module) -> int:
-        if module is None:
-            return 0
-        return sum(_local(p).numel() * _dp_factor(p) for p in module.parameters())
-
-    blocks = [gathered(b) for b in part.layers.values()]
+    blocks = [gathered_elements(b) for b in part.layers.values()]
     big = max(blocks, default=0)
-    emb = gathered(getattr(part, "tok_embeddings", None))
-    head = gathered(getattr(part, "norm", None)) + gathered(getattr(part, "output", None))
+    emb = gathered_elements(getattr(part, "tok_embeddings", None))
+    head = gathered_elements(getattr(part, "norm", None))
+    head += gathered_elements(getattr(part, "output", None))
     with_grads = 2 * param_bytes + reduce_bytes  # gathered weights + unsharded gradients
     return max(
         head * with_grads + big * param_bytes,

@@ -11,11 +11,12 @@ import torch
 import torch.distributed as dist
 from dist_utils import TINY_SHAPE
 from torch.distributed.tensor.parallel import loss_parallel
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from config import parse_args
-from models import arg_overrides, build_model_args, get_model_spec
+from models import arg_overrides, build_model_args, get_model_spec, model_args_for
 from parallelisms import estimate as est
 from parallelisms.init_weights import init_weights
 from parallelisms.memory_report import memory_report
@@ -215,3 +216,53 @@ def test_advise_proposes_tp_inside_nodes_and_fsdp_across():
     assert "Proposed: TP 8 x PP 1 x FSDP 8" in text
     assert "tp (8 ranks over NVLink)" in text and "dp (8 ranks over network)" in text
     assert "Checked with the real parallelize functions" in text
+
+
+def test_fsdp_buffer_of_llama3_8b_at_tp2_fsdp4_by_hand():
+    """FSDP2 over TP-sharded weights places the column-sharded ones (wq, wk, wv, w1, w3, the
+    vocab-sharded embedding and output) `_StridedShard` on the dp dim: they count as sharded."""
+    cfg = parse_args("--config llama3_8b --parallelism.tensor_parallel_degree 2".split())
+    spec = get_model_spec("llama3")
+    args = model_args_for(cfg.model, cfg.training.seq_len)
+    rank = est.simulate(spec, args, cfg, 8, device_type="cuda", ranks=[0]).ranks[0]
+    h, kv, f, v, tp = 4096, 1024, 14336, 128256, 2
+    matrices = h * (h + kv + kv + h) + 3 * h * f  # all TP-sharded
+    block = matrices // tp + 2 * h  # 109,060,096 elements per rank, the norms replicated
+    head = v * h // tp + h  # output (vocab-sharded) + final norm: 262,672,384
+    bf16, fp32 = 2, 4
+    # the head unit gathered with its unsharded gradients (bf16 + fp32), beside the last block
+    expected = head * (2 * bf16 + fp32) + block * bf16
+    assert expected == 2_319_499_264  # 2.16 GiB; 0.59 GiB when _StridedShard was not counted
+    assert rank.working == expected
+
+
+def test_gathered_elements_equal_fsdp_unsharded_parameters_under_tp():
+    """The estimator's gathered size of each FSDP unit equals what FSDP's unshard really holds
+    per rank at TP 2 x FSDP 2 (fake group: the all-gathers have their real sizes)."""
+    cfg = _cfg("--parallelism.tensor_parallel_degree 2")
+    spec = get_model_spec("llama3")
+    with fake_world(4):
+        dims = ParallelDims.from_config(
+            world_size=4, dp_replicate=1, dp_shard=-1, tp=2, pp=1, zero_stage=3
+        )
+        dims.build_mesh("cpu")
+        with torch.device("meta"):
+            model = spec.model_cls(_args(cfg))
+        model = spec.parallelize_fn(model, dims, cfg, "cpu")
+        model.to_empty(device="cpu")
+        # the case this checks is present: FSDP's dp placement of the column-sharded weights
+        assert any(isinstance(p.placements[0], _StridedShard) for p in model.parameters())
+        units = [
+            [model.tok_embeddings],
+            [model.norm, model.output],
+            *[[b] for b in model.layers.values()],
+        ]
+        for unit in units:
+            estimated = sum(est.gathered_elements(m) for m in unit)
+            unit[-1].unshard()  # norm and output are one FSDP group: one unshard gathers both
+            real = sum(p.to_local().numel() for m in unit for p in m.parameters())
+            assert not any(
+                "dp" in str(p.device_mesh.mesh_dim_names) for m in unit for p in m.parameters()
+            )
+            assert real == estimated, unit
+            unit[-1].reshard()
