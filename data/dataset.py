@@ -2,8 +2,9 @@
 
 Stream definition (the same for every source and every data-parallel layout):
 
-- documents are tokenised in source order as `[BOS] + tokens + [EOS]` (empty documents are
-  skipped) and concatenated into one token stream per epoch;
+- documents are tokenised in source order as `[BOS] + tokens + [EOS]` (no BOS when the
+  tokenizer has none, as Qwen's; empty documents are skipped) and concatenated into one token
+  stream per epoch;
 - sequence `i` of an epoch is `stream[i*L : i*L + L + 1]` with `L = seq_len`; the model input is
   its first `L` tokens and the labels its last `L`. Consecutive sequences overlap by exactly one
   token (the last label of sequence i is the first input of sequence i+1), so every token after

@@ -30,6 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PARITY = "tests/test_parallel_parity.py::test_layout_matches_one_process"
 PP_PARITY = "tests/test_pipeline_parity.py::test_pipeline_matches_one_process"
+QWEN3_PARITY = "tests/test_qwen3_parity.py::test_qwen3_layout_matches_one_process"
+CONTRACT = "tests/test_model_contract.py"
 
 
 @dataclass(frozen=True)
@@ -174,6 +176,30 @@ MUTANTS = [
         "    elif len(norms) == 1:\n",
         "    elif True:\n",
         (f"{PARITY}[tp2]",),
+    ),
+    Mutant(
+        "tied_weights_not_retied",
+        "shared (tied) parameters not tied again after materialisation (to_empty unties them)",
+        "parallelisms/init_weights.py",
+        '    if hasattr(model, "tie_weights"):\n        model.tie_weights()\n',
+        "",
+        (f"{CONTRACT}::test_tied_weights_survive_materialisation",),
+    ),
+    Mutant(
+        "tp_plan_gap_silent",
+        "a parameter no TP plan entry covers is left replicated without a word",
+        "parallelisms/tensor_parallel.py",
+        "    if missed:\n",
+        "    if False:\n",
+        (f"{CONTRACT}::test_tp_plan_gaps_are_named_at_parallelize_time",),
+    ),
+    Mutant(
+        "tied_embeddings_in_their_own_fsdp_unit",
+        "Qwen3 tied: the embeddings get their own FSDP unit, apart from the output sharing them",
+        "models/qwen3/parallelize.py",
+        "    if model.args.tie_embeddings:\n",
+        "    if False:\n",
+        (f"{QWEN3_PARITY}[tied_fsdp2]",),
     ),
 ]
 
