@@ -39,7 +39,8 @@ TOP_KEYS = [
     ("norm.weight", "model.norm.weight"),
     ("output.weight", "lm_head.weight"),
 ]
-# Llama 3.1 frequency scaling, the only one `rope_frequencies` implements.
+# Llama 3 frequency scaling, the only one `rope_frequencies` implements (factor 8 in Llama 3.1,
+# 32 in Llama 3.2; the factor is read from and written to config.json).
 LLAMA3_ROPE = {
     "factor": 8.0,
     "low_freq_factor": 1.0,
@@ -144,10 +145,11 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
     theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     scaled = rope_type == "llama3"
-    if scaled and any(float(rope.get(k, -1)) != v for k, v in LLAMA3_ROPE.items()):
+    fixed = {k: v for k, v in LLAMA3_ROPE.items() if k != "factor"}
+    if scaled and any(float(rope.get(k, -1)) != v for k, v in fixed.items()):
         raise CheckpointError(
-            f"config.json rope scaling {rope} differs from Llama 3.1's "
-            f"{LLAMA3_ROPE}, the only scaling this model implements."
+            f"config.json rope scaling {rope} differs from Llama 3's {fixed} (any factor), "
+            "the only scaling this model implements."
         )
     if rope_type not in ("default", "llama3"):
         raise CheckpointError(f"config.json rope_type = {rope_type!r} is not supported.")
@@ -165,6 +167,8 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
         norm_eps=cfg.get("rms_norm_eps", 1e-5),
         rope_theta=float(theta),
         use_scaled_rope=scaled,
+        rope_scaling_factor=float(rope.get("factor", LLAMA3_ROPE["factor"])),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_seq_len=cfg.get("max_position_embeddings", 8192),
     )
     if args.ffn_hidden_dim != hidden:
@@ -173,7 +177,9 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
 
 
 def hf_config_from_args(args: ModelArgs, dtype: torch.dtype) -> dict:
-    rope_scaling = {"rope_type": "llama3", **LLAMA3_ROPE} if args.use_scaled_rope else None
+    rope_scaling = None
+    if args.use_scaled_rope:
+        rope_scaling = {"rope_type": "llama3", **LLAMA3_ROPE, "factor": args.rope_scaling_factor}
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -189,7 +195,7 @@ def hf_config_from_args(args: ModelArgs, dtype: torch.dtype) -> dict:
         "rope_theta": args.rope_theta,
         "rope_scaling": rope_scaling,
         "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": args.tie_embeddings,
         "attention_bias": False,
         "mlp_bias": False,
         "torch_dtype": str(dtype).removeprefix("torch."),

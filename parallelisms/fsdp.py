@@ -68,6 +68,25 @@ class FsdpUnit:
     role: Literal["input", "block", "output"]
 
 
+def embed_blocks_head_units(
+    model: nn.Module, first: list[str], last: list[str], tied: bool
+) -> list[FsdpUnit]:
+    """The usual units of a decoder, from the family's module names: its `first` modules (token
+    embeddings) as an input unit, each block of `model.layers`, its `last` modules (final norm,
+    output projection) as one output unit. `tied`: the first modules join the output unit, since
+    FSDP shards a parameter in one unit only. Modules absent from a pipeline stage are left out."""
+
+    def present(names: list[str]) -> list[nn.Module]:
+        return [m for n in names if (m := getattr(model, n, None)) is not None]
+
+    blocks = [FsdpUnit([block], "block") for block in model.layers.values()]
+    if tied:
+        units = [*blocks, FsdpUnit(present(first + last), "output")]
+    else:
+        units = [FsdpUnit(present(first), "input"), *blocks, FsdpUnit(present(last), "output")]
+    return [u for u in units if u.modules]
+
+
 def apply_fsdp(
     model: nn.Module,
     dp_mesh: DeviceMesh,

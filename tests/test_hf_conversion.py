@@ -24,13 +24,13 @@ def load_script(name: str):
     return mod
 
 
-def tiny_hf_model(scaled_rope: bool, tied: bool):
+def tiny_hf_model(scaled_rope: bool, tied: bool, factor: float = 8.0):
     rope = {"rope_type": "default", "rope_theta": 500000.0}
     if scaled_rope:
         rope = {
             "rope_type": "llama3",
             "rope_theta": 500000.0,
-            "factor": 8.0,
+            "factor": factor,
             "low_freq_factor": 1.0,
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8192,
@@ -73,9 +73,13 @@ def test_permutation_inverts_and_matches_rope_convention():
     assert torch.equal(hf[16 + 3], w[16 + 2 * 3])
 
 
-@pytest.mark.parametrize("scaled_rope,tied,sharded", [(False, False, True), (True, True, False)])
-def test_hf_round_trip_and_logits(tmp_path, scaled_rope, tied, sharded):
-    hf_model = tiny_hf_model(scaled_rope, tied)
+@pytest.mark.parametrize(
+    "scaled_rope,tied,sharded,factor",
+    [(False, False, True, 8.0), (True, False, False, 8.0), (True, True, False, 32.0)],
+    ids=["llama3.0-style", "llama3.1-style", "llama3.2-style-tied"],
+)
+def test_hf_round_trip_and_logits(tmp_path, scaled_rope, tied, sharded, factor):
+    hf_model = tiny_hf_model(scaled_rope, tied, factor)
     hf_dir = tmp_path / "hf"
     hf_model.save_pretrained(hf_dir, max_shard_size="60KB" if sharded else "1GB")
     assert (hf_dir / "model.safetensors.index.json").is_file() == sharded
@@ -86,6 +90,8 @@ def test_hf_round_trip_and_logits(tmp_path, scaled_rope, tied, sharded):
     assert is_complete(ckpt) and read_layout(ckpt)["kind"] == "converted"
 
     ours = our_model_from(ckpt, hf_config)
+    assert (ours.output.weight is ours.tok_embeddings.weight) == tied  # one parameter, tied
+    assert ours.args.rope_scaling_factor == factor and ours.args.use_scaled_rope == scaled_rope
     tokens = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf_model(tokens).logits
@@ -103,6 +109,9 @@ def test_hf_round_trip_and_logits(tmp_path, scaled_rope, tied, sharded):
     # a second export into the same folder is refused (stale shards would shadow it)
     assert load_script("convert_to_hf").main([str(ckpt), str(out)]) == 1
     assert read_hf_weights(out).keys() == back.keys()
+    exported = json.loads((out / "config.json").read_text())
+    assert exported["tie_word_embeddings"] == tied
+    assert (exported["rope_scaling"] or {}).get("factor", factor) == factor
     reloaded = transformers.LlamaForCausalLM.from_pretrained(out).float().eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(tokens).logits, ref, rtol=1e-5, atol=1e-5)

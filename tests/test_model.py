@@ -100,19 +100,29 @@ def test_swiglu_sizing_and_output():
     torch.testing.assert_close(ff(x), ref)
 
 
-# Published totals of Llama 3.1 (128,256-token vocabulary, untied output layer).
+# Published totals of Llama 3.1 (128,256-token vocabulary, untied output layer) and Llama 3.2
+# (1B and 3B: the output layer is the embedding matrix, counted once).
 @pytest.mark.parametrize(
     "flavor, expected",
-    [("8B", 8_030_261_248), ("70B", 70_553_706_496), ("405B", 405_853_388_800)],
+    [
+        ("1B", 1_235_814_400),
+        ("3B", 3_212_749_824),
+        ("8B", 8_030_261_248),
+        ("70B", 70_553_706_496),
+        ("405B", 405_853_388_800),
+    ],
 )
 def test_flavor_parameter_counts_on_meta(flavor, expected):
+    args = llama3_flavors[flavor]
     with torch.device("meta"):
-        model = Transformer(llama3_flavors[flavor])
+        model = Transformer(args)
     assert all(p.is_meta for p in model.parameters())
     assert sum(p.numel() for p in model.parameters()) == expected
     assert count_params(model) == expected  # what train.py reports
-    embedding = 128_256 * llama3_flavors[flavor].dim
+    # matmul parameters: a tied embedding still does the output projection's work
+    embedding = 0 if args.tie_embeddings else 128_256 * args.dim
     assert count_params(model, exclude_embedding=True) == expected - embedding
+    assert (model.output.weight is model.tok_embeddings.weight) == (flavor in ("1B", "3B"))
 
 
 def test_debugmodel_parameter_count_by_hand():

@@ -15,6 +15,7 @@ and `tp2`), which is what lets `scripts/mutation_check.py` run one layout per pl
 from __future__ import annotations
 
 import pytest
+import torch
 from dist_utils import Run, launch_many
 from parity import (
     CHECKPOINT_ARGS,
@@ -23,6 +24,7 @@ from parity import (
     Tolerance,
     assert_layout,
     assert_parity,
+    final_weights,
     selected_runs,
 )
 
@@ -89,11 +91,17 @@ LAYOUTS = {
     "zero1_2_bf16": (2, {**z(1), LB: 4, **BF16}),
     "zero2_2_accum_bf16": (2, {**z(2), LB: 2, GB: 8, **BF16}),
     "tp2_fsdp2_bf16": (4, {TP: 2, LB: 4, **BF16}),
+    # Llama 3.2's tied embeddings (flavor 1B at the tiny shape): one process, then TP 2 x FSDP
+    # 2, where TP distributes the two modules' weights and the family ties them again
+    "tied_one_process": (1, {"model__flavor": "1B"}),
+    "tied_tp2_fsdp2": (4, {"model__flavor": "1B", TP: 2, LB: 4}),
 }
 BF16_REFERENCE = "fsdp2_bf16"
 REFERENCE = {name: BF16_REFERENCE for name in LAYOUTS if name.endswith("bf16")}
 REFERENCE[BF16_REFERENCE] = "reference"  # compared with fp32 only to show bf16 is in use
 TOLERANCE = {name: BF16_TOL for name in REFERENCE}
+TIED_REFERENCE = "tied_one_process"
+REFERENCE |= {"tied_tp2_fsdp2": TIED_REFERENCE, TIED_REFERENCE: "reference"}
 AFTER = {"fsdp2_compile": "compile_accum", "tp2_fsdp2_compile": "tp2_compile_ac_op"}
 # Tests that need runs besides their parameter's: test name -> runs
 NEEDS = {
@@ -142,6 +150,13 @@ def test_layout_matches_one_process(runs, name):
     if name == BF16_REFERENCE:  # bf16 compute really ran: near fp32, but not equal to it
         worst = max(rel_diff(a, b) for a, b in zip(run.losses().values(), ref.losses().values()))
         assert 1e-5 < worst < 5e-2, f"bf16 vs fp32 loss: worst relative difference {worst:.1e}"
+        return
+    if name == TIED_REFERENCE:  # another model than the reference's: one matrix, still tied
+        weights = final_weights(run.folder)
+        assert torch.equal(weights["output.weight"], weights["tok_embeddings.weight"])
+        # 4096 x 64 embeddings counted once + final norm 64 + 2 blocks x (wq 64x64, wk and wv
+        # 64x32, wo 64x64, SwiGLU 3 x 64x256, 2 norms x 64) = 262,144 + 64 + 2 x 61,568
+        assert "model llama3 1B: 385,344 parameters" in run.output
         return
     assert_parity(ref.folder, run.folder, TOLERANCE.get(name, FP32))
 

@@ -3,8 +3,9 @@
 from models.llama3.model import ModelArgs, Transformer
 
 # Published Llama 3.1 shapes and RoPE (8B, 70B and 405B all use Llama 3.1's frequency scaling;
-# Llama 3.0 weights need model.rope_scaling = "none"). `vocab_size` is replaced by the
-# tokenizer's when one is loaded.
+# Llama 3.0 weights need model.rope_scaling = "none") and Llama 3.2's 1B and 3B (tied
+# embeddings, RoPE scaling factor 32). `vocab_size` is replaced by the tokenizer's when one
+# is loaded.
 llama3_flavors = {
     "debugmodel": ModelArgs(
         dim=256,
@@ -14,6 +15,30 @@ llama3_flavors = {
         vocab_size=4096,
         multiple_of=256,
         rope_theta=500000,
+    ),
+    "1B": ModelArgs(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.5,
+        multiple_of=256,
+        rope_theta=500000,
+        use_scaled_rope=True,
+        rope_scaling_factor=32.0,
+        tie_embeddings=True,
+    ),
+    "3B": ModelArgs(
+        dim=3072,
+        n_layers=28,
+        n_heads=24,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.0,
+        multiple_of=256,
+        rope_theta=500000,
+        use_scaled_rope=True,
+        rope_scaling_factor=32.0,
+        tie_embeddings=True,
     ),
     "8B": ModelArgs(
         dim=4096,

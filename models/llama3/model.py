@@ -29,6 +29,8 @@ class ModelArgs:
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
     use_scaled_rope: bool = False  # Llama 3.1 long-context frequency scaling
+    rope_scaling_factor: float = 8.0  # how much it stretches the low frequencies (3.2: 32)
+    tie_embeddings: bool = False  # output projection = token embeddings (Llama 3.2 1B/3B)
     max_seq_len: int = 8192
     depth_init: bool = True  # output-projection std shrinks with depth
 
@@ -71,7 +73,7 @@ def rope_frequencies(args: ModelArgs) -> torch.Tensor:
     d = args.head_dim
     inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     if args.use_scaled_rope:
-        scale, low_ff, high_ff, old_ctx = 8.0, 1.0, 4.0, 8192
+        scale, low_ff, high_ff, old_ctx = args.rope_scaling_factor, 1.0, 4.0, 8192
         wavelen = 2 * math.pi / inv_freq
         low_wavelen, high_wavelen = old_ctx / low_ff, old_ctx / high_ff
         smooth = (old_ctx / wavelen - low_ff) / (high_ff - low_ff)
@@ -168,6 +170,12 @@ class Transformer(nn.Module):
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("rope", rope_table(args), persistent=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """With `tie_embeddings` the output projection is the token embedding matrix."""
+        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [batch, seq] -> logits [batch, seq, vocab] (a pipeline stage may take and
@@ -187,14 +195,16 @@ class Transformer(nn.Module):
 
         Truncated normals (cut at 3 std) of std 0.02 for the input projections, a depth-scaled
         std for the projections that write into the residual stream (wo, w2, w3, as in Llama
-        practice), dim^-0.5 for the output layer, N(0, 1) embeddings and unit norm weights.
+        practice), dim^-0.5 for the output layer, N(0, 1) embeddings (N(0, 0.02²) when they
+        are also the output projection) and unit norm weights.
         """
         a = self.args
         if name.endswith("norm.weight"):
             tensor.fill_(1.0)
             return
-        if name == "tok_embeddings.weight":
-            nn.init.normal_(tensor, std=1.0, generator=generator)
+        if name == "tok_embeddings.weight":  # tied, it is also the output projection
+            std = 0.02 if a.tie_embeddings else 1.0
+            nn.init.normal_(tensor, std=std, generator=generator)
             return
         if name == "output.weight":
             std = a.dim**-0.5

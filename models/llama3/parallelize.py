@@ -15,8 +15,8 @@ from torch.distributed.tensor.parallel import (
 
 from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.compile import apply_compile
-from parallelisms.fsdp import FsdpUnit, apply_data_parallel
-from parallelisms.parallel_dims import ParallelDims, ParallelismError
+from parallelisms.fsdp import FsdpUnit, apply_data_parallel, embed_blocks_head_units
+from parallelisms.parallel_dims import ParallelDims, ParallelismError, tied_weight_problems
 from parallelisms.tensor_parallel import TPPlan, apply_tp, check_tp
 
 
@@ -62,13 +62,11 @@ def llama_tp_plan(loss_parallel: bool) -> TPPlan:
 
 def llama_fsdp_units(model: nn.Module) -> list[FsdpUnit]:
     """The token embeddings (first in forward), each block, then the final norm and output
-    projection together (last in forward, first in backward). Modules absent from a pipeline
-    stage are left out."""
-    present = lambda *names: [m for n in names if (m := getattr(model, n, None)) is not None]  # noqa: E731
-    units = [FsdpUnit(present("tok_embeddings"), "input")]
-    units += [FsdpUnit([block], "block") for block in model.layers.values()]
-    units.append(FsdpUnit(present("norm", "output"), "output"))
-    return [u for u in units if u.modules]
+    projection together (last in forward, first in backward); tied, the embeddings join that
+    last unit."""
+    return embed_blocks_head_units(
+        model, ["tok_embeddings"], ["norm", "output"], model.args.tie_embeddings
+    )
 
 
 def parallelize_llama(
@@ -79,6 +77,7 @@ def parallelize_llama(
         # First: TP turns the weights into tp-sharded DTensors, which FSDP then shards on dp,
         # and its collectives belong inside the blocks that AC recomputes and compile traces.
         apply_tp(model, parallel_dims.dim("tp"), llama_tp_plan(not p.disable_loss_parallel))
+        model.tie_weights()  # TP distributed the two tied modules' weights one by one
     if ac.mode != "none":
         # Before compile, so each compiled block graph contains its checkpointing policy.
         apply_ac(model, ac.mode, ac.selective_ac_option)
@@ -97,5 +96,9 @@ def validate_llama(cfg, args) -> list[str]:
         check_tp(args.n_heads, args.kv_heads, cfg.training.seq_len,
                  cfg.parallelism.tensor_parallel_degree)  # fmt: skip
     except ParallelismError as e:
-        return [str(e)]
-    return []
+        problems = [str(e)]
+    else:
+        problems = []
+    if args.tie_embeddings:
+        problems += tied_weight_problems(cfg.parallelism, cfg.model.flavor)
+    return problems

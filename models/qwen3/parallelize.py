@@ -16,8 +16,8 @@ from torch.distributed.tensor.parallel import (
 
 from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.compile import apply_compile
-from parallelisms.fsdp import FsdpUnit, apply_data_parallel
-from parallelisms.parallel_dims import ParallelDims, ParallelismError
+from parallelisms.fsdp import FsdpUnit, apply_data_parallel, embed_blocks_head_units
+from parallelisms.parallel_dims import ParallelDims, ParallelismError, tied_weight_problems
 from parallelisms.pipeline import build_pipeline, stage_module_names
 from parallelisms.tensor_parallel import TPPlan, apply_tp, check_tp
 
@@ -62,16 +62,12 @@ def qwen3_tp_plan(loss_parallel: bool) -> TPPlan:
 
 
 def qwen3_fsdp_units(model: nn.Module) -> list[FsdpUnit]:
-    """Untied: the embeddings, each block, the final norm + output. Tied: the embeddings join
-    the final norm + output in one unit, since FSDP shards a parameter in one unit only."""
-    present = lambda *names: [m for n in names if (m := getattr(model, n, None)) is not None]  # noqa: E731
-    blocks = [FsdpUnit([block], "block") for block in model.layers.values()]
-    if model.args.tie_embeddings:
-        units = [*blocks, FsdpUnit(present("tok_embeddings", "norm", "output"), "output")]
-    else:
-        units = [FsdpUnit(present("tok_embeddings"), "input"), *blocks]
-        units.append(FsdpUnit(present("norm", "output"), "output"))
-    return [u for u in units if u.modules]
+    """The token embeddings (first in forward), each block, then the final norm and output
+    projection together (last in forward, first in backward); tied, the embeddings join that
+    last unit."""
+    return embed_blocks_head_units(
+        model, ["tok_embeddings"], ["norm", "output"], model.args.tie_embeddings
+    )
 
 
 def parallelize_qwen3(
@@ -117,16 +113,6 @@ def validate_qwen3(cfg, args) -> list[str]:
         check_tp(args.n_heads, args.n_kv_heads, cfg.training.seq_len, p.tensor_parallel_degree)
     except ParallelismError as e:
         problems.append(str(e))
-    if args.tie_embeddings and p.pipeline_parallel_degree > 1:
-        problems.append(
-            f"model.flavor = '{cfg.model.flavor}' ties the output projection to the token "
-            "embeddings, which pipeline parallelism would put on two stages: use an untied "
-            "flavor, or pipeline_parallel_degree = 1."
-        )
-    if args.tie_embeddings and p.zero_stage < 3:
-        problems.append(
-            f"model.flavor = '{cfg.model.flavor}' ties the output projection to the token "
-            f"embeddings, and parallelism.zero_stage = {p.zero_stage} (ZeRO 0-2) cannot hold "
-            "a shared parameter: use zero_stage = 3 (FSDP2), or an untied flavor."
-        )
+    if args.tie_embeddings:
+        problems += tied_weight_problems(p, cfg.model.flavor)
     return problems
