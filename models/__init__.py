@@ -42,6 +42,8 @@ class ModelSpec:
     parallelize_fn: Callable  # (model, parallel_dims, job_config, device_type) -> model
     pipeline_fn: Callable | None  # (model, parallel_dims, job_config, device, loss_fn) -> stages
     validate: Callable[[Any, Any], list[str]] | None = None  # (job_config, args) -> problems
+    # (args, seq_len, batch, tp) -> bytes one block saves for backward, for the estimator
+    block_activation_bytes: Callable[[Any, int, int, int], float] | None = None
 
 
 def _llama3_parallelize(*args, **kwargs):
@@ -60,6 +62,12 @@ def _llama3_validate(cfg, args) -> list[str]:
     from models.llama3.parallelize import validate_llama
 
     return validate_llama(cfg, args)
+
+
+def _llama3_block_bytes(*args) -> float:
+    from models.llama3.parallelize import llama_block_activation_bytes
+
+    return llama_block_activation_bytes(*args)
 
 
 MODELS: dict[str, ModelSpec] = {}
@@ -81,6 +89,7 @@ register(
         _llama3_parallelize,
         _llama3_pipeline,
         _llama3_validate,
+        _llama3_block_bytes,
     )
 )
 
@@ -165,6 +174,12 @@ def model_args_for(model_cfg, seq_len: int, vocab_size: int | None = None):
 
 register(
     ModelSpec(
-        "qwen3", qwen3.Qwen3, qwen3.flavors, qwen3.parallelize, qwen3.pipeline, qwen3.validate
+        "qwen3",
+        qwen3.Qwen3,
+        qwen3.flavors,
+        qwen3.parallelize,
+        qwen3.pipeline,
+        qwen3.validate,
+        qwen3.block_activation_bytes,
     )
 )

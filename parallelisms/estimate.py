@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -59,16 +60,6 @@ def korthikanti_layer_bytes(
     if t == 1 or sequence_parallel:
         return sbh * (34 / t + scores / t)
     return sbh * (10 + 24 / t + scores / t)
-
-
-def llama_layer_bytes(s: int, b: int, h: int, ffn: int, t: int = 1) -> float:
-    """Activation bytes one meshtrain Llama block saves for backward (16-bit compute, fused
-    attention), counted from the tensors autograd keeps: each RMSNorm its input and output in
-    fp32 and the 16-bit matmul input (2 x 10 sbh), attention q, k, v (k/v repeated to all
-    heads) and its output (8 sbh), SwiGLU's w1 and w3 outputs, SiLU output and product
-    (8 sbf). sbh(28 + 8 f/h) in all (Korthikanti's GPT count is 34 sbh with a 4h GeLU MLP);
-    divided by t under TP + sequence parallelism."""
-    return float(s) * b * (28 * h + 8 * ffn) / t
 
 
 def in_flight_microbatches(schedule: str, pp: int, pp_rank: int, n_micro: int) -> int:
@@ -218,9 +209,19 @@ def fsdp_working_bytes(part: nn.Module, param_bytes: int, reduce_bytes: int) -> 
 
 
 def activation_bytes(
-    cfg, model_args, dims: ParallelDims, pp_rank: int, layers: int, has_output: bool
+    cfg,
+    model_args,
+    dims: ParallelDims,
+    pp_rank: int,
+    layers: int,
+    has_output: bool,
+    block_bytes: Callable | None,
 ) -> tuple[int, str]:
-    """Activation estimate for one rank (16-bit activations, fused attention by default)."""
+    """Activation estimate for one rank (16-bit activations, fused attention by default);
+    `block_bytes(args, seq_len, batch, tp)` is the family's count of what one block saves
+    (`ModelSpec.block_activation_bytes`); without one, activations are not counted."""
+    if block_bytes is None:
+        return 0, "activations not counted: the model family gives no block_activation_bytes"
     t, p, ac = cfg.training, cfg.parallelism, cfg.activation_checkpoint
     s, h, a, tp = t.seq_len, model_args.dim, model_args.n_heads, dims.tp
     scores = getattr(cfg, "_estimate_scores_stored", False)
@@ -239,7 +240,7 @@ def activation_bytes(
     kept = layers - full_layers
     rec = "selective" if mode == "selective" and not ac.selective_ac_option.isdigit() else "none"
     korth = korthikanti_layer_bytes(s, b, h, a, tp, recompute=rec, scores_stored=scores)
-    whole = llama_layer_bytes(s, b, h, model_args.ffn_hidden_dim, tp)
+    whole = block_bytes(model_args, s, b, tp)
     if scores:
         whole += korthikanti_layer_bytes(s, b, h, a, tp) - korthikanti_layer_bytes(
             s, b, h, a, tp, scores_stored=False
@@ -256,7 +257,7 @@ def activation_bytes(
         logits = micro * s * b * model_args.vocab_size / tp * (2 + 4)
     text = (
         f"s={s} b={b} h={h} a={a} t={tp} (Korthikanti {korth / GIB:.3f} GiB/layer, "
-        f"Llama block count {whole / GIB:.3f}): "
+        f"the family's block count {whole / GIB:.3f}): "
         + (f"{kept} layers x {per_layer / GIB:.3f} GiB" if kept else "")
         + (" + " if kept and full_layers else "")
         + (f"{full_layers} checkpointed x {per_full / GIB:.3f} GiB" if full_layers else "")
@@ -326,19 +327,22 @@ def simulate(
                 )
             else:
                 parts = [spec.parallelize_fn(model, dims, cfg, "cpu")]
-            out.append(_measure(parts, cfg, model_args, dims, rank, pdt, rdt))
+            out.append(
+                _measure(parts, cfg, model_args, dims, rank, pdt, rdt, spec.block_activation_bytes)
+            )
         finally:
             dist.destroy_process_group()
             dims.mesh = None
     formula = (
-        "per layer sbh(28 + 8f/h)/t, the Llama block's saved tensors (Korthikanti et al.'s "
-        "GPT count: sbh(34/t + 5as/(ht)) with TP+SP); full AC keeps 2sbh/t"
+        "per layer the model family's count of the tensors one block saves (Llama: "
+        "sbh(28 + 8f/h)/t; Korthikanti et al.'s GPT count: sbh(34/t + 5as/(ht)) with TP+SP); "
+        "full AC keeps 2sbh/t"
         + ("" if scores_stored else "; no 5as/h term: fused SDPA keeps no s x s scores")
     )
     return Plan(dims, n_total, pdt, rdt, out, formula)
 
 
-def _measure(parts, cfg, model_args, dims, rank, pdt, rdt) -> RankMemory:
+def _measure(parts, cfg, model_args, dims, rank, pdt, rdt, block_bytes) -> RankMemory:
     pp_rank = rank // (dims.world_size // dims.pp)
     n_local = params = grads = optim = working = layers = 0
     has_output = False
@@ -348,7 +352,7 @@ def _measure(parts, cfg, model_args, dims, rank, pdt, rdt) -> RankMemory:
         working += fsdp_working_bytes(part, _BYTES[pdt], _BYTES[rdt])
         layers += len(part.layers)
         has_output = has_output or getattr(part, "output", None) is not None
-    act, text = activation_bytes(cfg, model_args, dims, pp_rank, layers, has_output)
+    act, text = activation_bytes(cfg, model_args, dims, pp_rank, layers, has_output, block_bytes)
     return RankMemory(rank, pp_rank, layers, n_local, params, grads, optim, working, act, [text])
 
 
@@ -554,7 +558,13 @@ class Candidate:
 
 
 def analytic_memory(
-    model_args, n_params: int, layout: Layout, seq_len: int, micro: int, vocab: int
+    model_args,
+    n_params: int,
+    layout: Layout,
+    seq_len: int,
+    micro: int,
+    vocab: int,
+    block_bytes: Callable,
 ) -> int:
     """Fast per-rank estimate for the search (FSDP, bf16/fp32 as in meshtrain: 16 B/param
     sharded over tp*pp*dp, plus working set and activations); `simulate` checks the choice."""
@@ -567,7 +577,7 @@ def analytic_memory(
     in_flight = layout.pp if layout.pp > 1 else 1
     a = model_args.n_heads
     rec = "full" if layout.ac == "full" else "none"
-    whole = llama_layer_bytes(seq_len, b, model_args.dim, model_args.ffn_hidden_dim, layout.tp)
+    whole = block_bytes(model_args, seq_len, b, layout.tp)
     per_layer = (
         whole
         if rec == "none"
@@ -587,6 +597,7 @@ def advise(
     *,
     seq_len: int,
     global_batch: int,
+    block_bytes: Callable,
     micro_batch: int = 1,
 ) -> tuple[Candidate | None, list[Candidate]]:
     """Searches TP (within a node) x PP x FSDP (the rest) and both AC modes at a fixed global
@@ -622,7 +633,7 @@ def advise(
                 accum = 1 if pp > 1 else local // micro
                 lay = Layout(tp, pp, dp, 3, ac)
                 mem = analytic_memory(
-                    model_args, n_params, lay, seq_len, micro, model_args.vocab_size
+                    model_args, n_params, lay, seq_len, micro, model_args.vocab_size, block_bytes
                 )
                 comms = comm_per_step(
                     model_args,

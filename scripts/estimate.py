@@ -130,6 +130,7 @@ def advise_report(
         cluster,
         seq_len=t.seq_len,
         global_batch=global_batch,
+        block_bytes=get_model_spec(cfg.model.name).block_activation_bytes,
         micro_batch=t.local_batch_size,
     )
     lines = [

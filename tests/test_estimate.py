@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from config import parse_args
 from models import arg_overrides, build_model_args, get_model_spec, model_args_for
 from parallelisms import estimate as est
-from parallelisms.init_weights import init_weights
+from parallelisms.init_weights import materialize
 from parallelisms.memory_report import memory_report
 from parallelisms.parallel_dims import ParallelDims
 from training.loss import cross_entropy_sum
@@ -39,7 +39,7 @@ def _cfg(extra: str = ""):
 
 
 def _args(cfg):
-    return build_model_args("llama3", "debugmodel", 32, None, arg_overrides(cfg.model))
+    return build_model_args(cfg.model.name, cfg.model.flavor, 32, None, arg_overrides(cfg.model))
 
 
 @contextlib.contextmanager
@@ -80,7 +80,7 @@ class CommCounter(TorchDispatchMode):
 def _real_step(cfg, world: int, tp: int, zero: int, counter: CommCounter | None = None):
     """One real forward/backward/AdamW step of the parallelized tiny model on CPU (fake group:
     collectives move no data but have their real sizes); returns memory_report's bytes."""
-    spec = get_model_spec("llama3")
+    spec = get_model_spec(cfg.model.name)
     with fake_world(world):
         dims = ParallelDims.from_config(
             world_size=world, dp_replicate=1, dp_shard=-1, tp=tp, pp=1, zero_stage=zero
@@ -88,11 +88,7 @@ def _real_step(cfg, world: int, tp: int, zero: int, counter: CommCounter | None 
         dims.build_mesh("cpu")
         with torch.device("meta"):
             model = spec.model_cls(_args(cfg))
-        model = spec.parallelize_fn(model, dims, cfg, "cpu")
-        model.to_empty(device="cpu")
-        with torch.no_grad():
-            init_weights(model, 0)
-        model.init_buffers("cpu")
+        model = materialize(spec.parallelize_fn(model, dims, cfg, "cpu"), 0, "cpu")
         opt = build_optimizer([model], cfg.optimizer, "cpu")
         tokens, labels = torch.randint(0, 4096, (2, 32)), torch.randint(0, 4096, (2, 32))
         with counter if counter is not None else contextlib.nullcontext():
@@ -102,12 +98,27 @@ def _real_step(cfg, world: int, tp: int, zero: int, counter: CommCounter | None 
         return memory_report([model], opt)
 
 
+QWEN3_TIED = "--model.name qwen3 --model.flavor debugmodel"
+QWEN3_UNTIED = "--model.name qwen3 --model.flavor debugmodel_untied"
+
+
 @pytest.mark.parametrize(
-    "world,tp,zero", [(2, 1, 0), (2, 1, 1), (2, 1, 2), (2, 1, 3), (4, 2, 3), (4, 2, 0)]
+    "world,tp,zero,model",
+    [
+        (2, 1, 0, ""),
+        (2, 1, 1, ""),
+        (2, 1, 2, ""),
+        (2, 1, 3, ""),
+        (4, 2, 3, ""),
+        (4, 2, 0, ""),
+        (4, 2, 3, QWEN3_TIED),
+        (2, 1, 3, QWEN3_TIED),
+        (2, 1, 2, QWEN3_UNTIED),
+    ],
 )
-def test_simulated_states_equal_real_tensors_after_a_step(world, tp, zero):
-    cfg = _cfg(f"--parallelism.tensor_parallel_degree {tp} --parallelism.zero_stage {zero}")
-    plan = est.simulate(get_model_spec("llama3"), _args(cfg), cfg, world, device_type="cpu")
+def test_simulated_states_equal_real_tensors_after_a_step(world, tp, zero, model):
+    cfg = _cfg(f"--parallelism.tensor_parallel_degree {tp} --parallelism.zero_stage {zero} {model}")
+    plan = est.simulate(get_model_spec(cfg.model.name), _args(cfg), cfg, world, device_type="cpu")
     rank = plan.ranks[0]
     real = _real_step(cfg, world, tp, zero)
     extra = 0
@@ -122,15 +133,8 @@ def test_simulated_states_equal_real_tensors_after_a_step(world, tp, zero):
     )
 
 
-def test_llama_block_count_equals_saved_activations_on_cpu():
-    """The per-layer activation formula against the bytes autograd really saves (bf16)."""
-    spec = get_model_spec("llama3")
-    s, b, h = 128, 2, 256
-    args = build_model_args("llama3", "debugmodel", s, None, {"dim": h, "n_heads": 8})
-    model = spec.model_cls(args).to(torch.bfloat16)
-    model.init_buffers("cpu")
-    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    skip.add(model.rope.untyped_storage().data_ptr())
+def _saved_bytes(block: torch.nn.Module, x: torch.Tensor, skip: set[int], *inputs) -> int:
+    """Bytes of the tensors autograd saves for backward in one block's forward."""
     saved = {}
 
     def pack(t):
@@ -139,11 +143,35 @@ def test_llama_block_count_equals_saved_activations_on_cpu():
             saved[st.data_ptr()] = st.nbytes()
         return t
 
-    x = torch.randn(b, s, h, dtype=torch.bfloat16, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.layers["0"](x, model.rope)
-    expected = est.llama_layer_bytes(s, b, h, args.ffn_hidden_dim)
-    assert sum(saved.values()) == pytest.approx(expected, rel=0.02)
+        block(x, *inputs)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize(
+    "name,flavor,shape",
+    [
+        ("llama3", "debugmodel", {"dim": 256, "n_heads": 8}),
+        ("qwen3", "debugmodel", {"dim": 256, "n_heads": 8, "n_kv_heads": 4}),
+        ("qwen3", "debugmodel_untied", {"dim": 128, "n_heads": 4, "n_kv_heads": 1}),
+    ],
+)
+def test_family_block_count_equals_saved_activations_on_cpu(name, flavor, shape):
+    """Each family's per-layer activation count against the bytes autograd really saves
+    (bf16), within 5%; Qwen3's q/k/v width (n_heads x head_dim) is not its dim."""
+    spec = get_model_spec(name)
+    s, b = 128, 2
+    args = build_model_args(name, flavor, s, None, shape)
+    model = spec.model_cls(args).to(torch.bfloat16)
+    model.init_buffers("cpu")
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    skip.add(model.rope.untyped_storage().data_ptr())
+    x = torch.randn(b, s, args.dim, dtype=torch.bfloat16, requires_grad=True)
+    measured = _saved_bytes(model.layers["0"], x, skip, model.rope)
+    assert spec.block_activation_bytes(args, s, b, 1) == pytest.approx(measured, rel=0.05)
+
+
+def test_korthikanti_reference_counts():
     # Korthikanti's GPT count, for reference: sbh(34 + 5as/h), and its TP/AC variants
     assert est.korthikanti_layer_bytes(8, 1, 4, 2) == 8 * 4 * (34 + 5 * 2 * 8 / 4)
     assert est.korthikanti_layer_bytes(8, 1, 4, 2, 2) == 8 * 4 * (17 + 5 * 2 * 8 / 8)

@@ -55,4 +55,18 @@ def validate(cfg, args) -> list[str]:
     return validate_qwen3(cfg, args)
 
 
-__all__ = ["Qwen3", "Qwen3Args", "flavors", "parallelize", "pipeline", "validate"]
+def block_activation_bytes(*args) -> float:
+    from models.qwen3.parallelize import qwen3_block_activation_bytes
+
+    return qwen3_block_activation_bytes(*args)
+
+
+__all__ = [
+    "Qwen3",
+    "Qwen3Args",
+    "block_activation_bytes",
+    "flavors",
+    "parallelize",
+    "pipeline",
+    "validate",
+]
