@@ -32,6 +32,20 @@ from typing import Any
 
 from models import qwen3
 from models.llama3 import Transformer, llama3_flavors
+from models.llama3 import hf as llama3_hf
+from models.qwen3 import hf as qwen3_hf
+
+
+@dataclass(frozen=True)
+class HFAdapter:
+    """How a family's weights and config.json map to Hugging Face's (optional), used by
+    scripts/convert_from_hf.py and convert_to_hf.py."""
+
+    model_type: str  # the config.json "model_type" it reads
+    args_from_config: Callable[[dict], Any]  # config.json -> args
+    config_from_args: Callable[[Any, Any], dict]  # (args, dtype) -> config.json
+    to_hf: Callable[[dict, Any], dict]  # (our full state dict, args) -> HF tensors
+    from_hf: Callable[[dict, Any], dict]  # (HF tensors, args) -> our state dict
 
 
 @dataclass(frozen=True)
@@ -44,6 +58,7 @@ class ModelSpec:
     validate: Callable[[Any, Any], list[str]] | None = None  # (job_config, args) -> problems
     # (args, seq_len, batch, tp) -> bytes one block saves for backward, for the estimator
     block_activation_bytes: Callable[[Any, int, int, int], float] | None = None
+    hf: HFAdapter | None = None  # Hugging Face conversion
 
 
 def _llama3_parallelize(*args, **kwargs):
@@ -90,6 +105,13 @@ register(
         _llama3_pipeline,
         _llama3_validate,
         _llama3_block_bytes,
+        HFAdapter(
+            "llama",
+            llama3_hf.args_from_hf_config,
+            llama3_hf.hf_config_from_args,
+            llama3_hf.meta_to_hf,
+            llama3_hf.hf_to_meta,
+        ),
     )
 )
 
@@ -181,5 +203,12 @@ register(
         qwen3.pipeline,
         qwen3.validate,
         qwen3.block_activation_bytes,
+        HFAdapter(
+            "qwen3",
+            qwen3_hf.args_from_hf_config,
+            qwen3_hf.config_with_dtype,
+            qwen3_hf.to_hf,
+            qwen3_hf.from_hf,
+        ),  # fmt: skip
     )
 )

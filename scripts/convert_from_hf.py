@@ -1,5 +1,5 @@
-"""Hugging Face Llama (config.json + safetensors, one file or sharded) -> a model-only DCP
-checkpoint `OUTPUT/step-0` that any layout loads (set checkpoint.initial_load_path = OUTPUT).
+"""A Hugging Face model of a registered family with an adapter (Llama, Qwen3; config.json +
+safetensors, one file or sharded) -> a model-only DCP checkpoint `OUTPUT/step-0` that any layout loads (set checkpoint.initial_load_path = OUTPUT).
 
     python scripts/convert_from_hf.py HF_FOLDER OUTPUT [--dtype float32] [--flavor 8B]
 """
@@ -11,13 +11,11 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from checkpoint.hf import (  # noqa: E402
-    LAYER_KEYS,
-    TOP_KEYS,
-    args_from_hf_config,
-    hf_to_meta,
     human_bytes,
     read_hf_weights,
     total_bytes,
@@ -26,46 +24,70 @@ from checkpoint.hf import (  # noqa: E402
 from checkpoint.state import DTYPES  # noqa: E402
 from checkpoint.storage import CheckpointError  # noqa: E402
 
-SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "kv_heads", "ffn_hidden_dim")
+
+def family_for(config: dict, name: str):
+    """The registered family that converts this config.json: `name`, or the one whose
+    Hugging Face adapter reads its model_type."""
+    from checkpoint.hf import hf_adapter
+    from models import MODELS, get_model_spec
+
+    if name:
+        try:
+            spec = get_model_spec(name)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+        hf_adapter(spec)
+        return spec
+    kind = config.get("model_type")
+    for spec in MODELS.values():
+        if spec.hf is not None and spec.hf.model_type == kind:
+            return spec
+    known = ", ".join(f"{s.hf.model_type} ({n})" for n, s in MODELS.items() if s.hf)
+    raise CheckpointError(
+        f"config.json model_type = {kind!r}: no registered family reads it ({known})"
+    )
 
 
-def compare_with_flavor(args, name: str, flavor: str) -> None:
-    """Errors when the weights cannot fit the flavor; warns about other differences."""
-    from models import get_model_spec
+def _shapes(spec, args) -> dict[str, tuple]:
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in spec.model_cls(args).state_dict().items()}
 
-    spec = get_model_spec(name)
+
+def compare_with_flavor(spec, args, flavor: str) -> None:
+    """Errors when the weights cannot fit the flavor (vocabulary aside: a run uses its
+    tokenizer's); warns about other differing settings."""
     if flavor not in spec.flavors:
         raise CheckpointError(
-            f"--flavor {flavor} is not a flavor of {name}: {', '.join(spec.flavors)}"
+            f"--flavor {flavor} is not a flavor of {spec.name}: {', '.join(spec.flavors)}"
         )
-    ref = spec.flavors[flavor]
-    bad = [
-        f"{f}: checkpoint {getattr(args, f)} vs flavor {getattr(ref, f)}"
-        for f in SHAPE_FIELDS
-        if getattr(args, f) != getattr(ref, f)
-    ]
+    ref = dataclasses.replace(spec.flavors[flavor], vocab_size=args.vocab_size)
+    mine, theirs = _shapes(spec, args), _shapes(spec, ref)
+    bad = [f"{k}: checkpoint {mine.get(k)} vs flavor {theirs.get(k)}"
+           for k in sorted(mine.keys() | theirs.keys()) if mine.get(k) != theirs.get(k)]  # fmt: skip
     if bad:
-        raise CheckpointError(f"the weights do not fit {name} {flavor}: " + "; ".join(bad))
-    for f in ("norm_eps", "rope_theta", "use_scaled_rope", "vocab_size"):
-        if getattr(args, f) != getattr(ref, f):
+        raise CheckpointError(f"the weights do not fit {spec.name} {flavor}: " + "; ".join(bad[:6]))
+    for f in dataclasses.fields(ref):
+        if f.name != "max_seq_len" and getattr(args, f.name) != getattr(ref, f.name):
             print(
-                f"warning: {f} = {getattr(args, f)} in config.json, {getattr(ref, f)} in "
-                f"flavor {flavor} (vocab_size: the run uses the tokenizer's; the others "
-                "must match at load time: model.rope_scaling sets use_scaled_rope)"
+                f"warning: {f.name} = {getattr(args, f.name)} in config.json, "
+                f"{getattr(spec.flavors[flavor], f.name)} in flavor {flavor} (the run must use "
+                "the checkpoint's value; vocab_size comes from the tokenizer)"
             )
 
 
 def convert(
-    hf_folder: Path, output: Path, dtype: str = "keep", flavor: str = "", model_name: str = "llama3"
+    hf_folder: Path, output: Path, dtype: str = "keep", flavor: str = "", model_name: str = ""
 ) -> Path:
     config = json.loads((Path(hf_folder) / "config.json").read_text())
-    args = args_from_hf_config(config)
+    spec = family_for(config, model_name)
+    try:
+        args = spec.hf.args_from_config(config)
+    except ValueError as e:
+        raise CheckpointError(f"{hf_folder}/config.json: {e}") from None
     if flavor:
-        compare_with_flavor(args, model_name, flavor)
-    sd = hf_to_meta(read_hf_weights(hf_folder), args, config.get("tie_word_embeddings", False))
-    expected = {k for k, _ in TOP_KEYS} | {
-        f"layers.{i}.{k}" for i in range(args.n_layers) for k, _ in LAYER_KEYS
-    }
+        compare_with_flavor(spec, args, flavor)
+    sd = spec.hf.from_hf(read_hf_weights(hf_folder), args)
+    expected = set(_shapes(spec, args))
     missing, extra = sorted(expected - sd.keys()), sorted(sd.keys() - expected)
     if missing or extra:
         raise CheckpointError(
@@ -80,7 +102,7 @@ def convert(
         "source": str(hf_folder),
         "dtype": ",".join(dtypes),
         "model": {
-            "name": model_name,
+            "name": spec.name,
             "flavor": flavor or "(from config.json)",
             "args": dataclasses.asdict(args),
         },
@@ -107,7 +129,9 @@ def main(argv=None) -> int:
         help="convert the weights to this dtype (default: keep the file's)",
     )
     p.add_argument("--flavor", default="", help="check the weights fit this model flavor")
-    p.add_argument("--model", default="llama3", help="model name in the registry")
+    p.add_argument(
+        "--model", default="", help="model family in the registry (default: by model_type)"
+    )
     a = p.parse_args(argv)
     try:
         convert(a.hf_folder, a.output, a.dtype, a.flavor, a.model)

@@ -1,5 +1,6 @@
 """A meshtrain DCP checkpoint (any layout; a step-N folder, an export, or a folder of them,
-whose latest is used) -> Hugging Face Llama layout: config.json + safetensors.
+whose latest is used) -> the Hugging Face layout of the family it records (Llama, Qwen3):
+config.json + safetensors.
 
     python scripts/convert_to_hf.py CHECKPOINT OUTPUT [--dtype bfloat16] [--max_shard_gb 5]
 """
@@ -13,10 +14,9 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from checkpoint.hf import (  # noqa: E402
-    args_from_layout,
-    hf_config_from_args,
+    hf_adapter,
     human_bytes,
-    meta_to_hf,
+    model_from_layout,
     read_dcp_model,
     total_bytes,
     write_hf_weights,
@@ -35,17 +35,16 @@ def convert(
             "export into a new or empty folder (or remove those files first)"
         )
     path = resolve_load_path(checkpoint)
-    args = args_from_layout(path)
-    if args is None:
-        raise CheckpointError(f"{path}/layout.json does not record the model arguments")
+    spec, args = model_from_layout(path)
+    adapter = hf_adapter(spec)  # the family the checkpoint records decides the format
     sd = read_dcp_model(path)
     if dtype != "keep":
         sd = {k: v.to(DTYPES[dtype]) for k, v in sd.items()}
-    hf = meta_to_hf(sd, args)
+    hf = adapter.to_hf(sd, args)
     output.mkdir(parents=True, exist_ok=True)
     files = write_hf_weights(hf, output, max_shard_bytes)
     out_dtype = next(iter(hf.values())).dtype
-    config = hf_config_from_args(args, out_dtype)
+    config = adapter.config_from_args(args, out_dtype)
     (output / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     print(
         f"converted {len(hf)} tensors ({human_bytes(total_bytes(hf))}) from {path} to "

@@ -362,7 +362,7 @@ def test_seed_checkpoint_then_mismatched_model(tmp_path, reference):
 
 def test_weights_only_export_converts_to_hf(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from checkpoint.hf import args_from_layout, read_dcp_model
+    from checkpoint.hf import model_from_layout, read_dcp_model
     from models.llama3.model import Transformer
 
     dump = tmp_path / "run"
@@ -389,7 +389,7 @@ def test_weights_only_export_converts_to_hf(tmp_path):
     spec.loader.exec_module(mod)
     assert mod.main([str(export), str(tmp_path / "hf")]) == 0
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").float().eval()
-    ours = Transformer(args_from_layout(export)).eval()
+    ours = Transformer(model_from_layout(export)[1]).eval()
     ours.load_state_dict({k: v.float() for k, v in weights.items()})
     tokens = torch.randint(0, 4096, (1, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from checkpoint.hf import args_from_hf_config, permute_from_hf, permute_to_hf, read_hf_weights
+from checkpoint.hf import read_hf_weights
 from checkpoint.storage import is_complete, read_layout
+from models.llama3.hf import args_from_hf_config, permute_from_hf, permute_to_hf
 from models.llama3.model import Transformer
 
 transformers = pytest.importorskip("transformers")
@@ -115,3 +116,55 @@ def test_hf_round_trip_and_logits(tmp_path, scaled_rope, tied, sharded, factor):
     reloaded = transformers.LlamaForCausalLM.from_pretrained(out).float().eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(tokens).logits, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_qwen3_converts_both_ways_by_its_family_adapter(tmp_path, tied):
+    """The scripts pick the family from config.json's model_type (in) and from the family the
+    checkpoint records (out): a Qwen3 checkpoint round-trips and its logits equal the HF
+    model's."""
+    from checkpoint.hf import model_from_layout, read_dcp_model
+
+    config = transformers.Qwen3Config(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
+        tie_word_embeddings=tied, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf_model = transformers.Qwen3ForCausalLM(config).float().eval()
+    hf_model.save_pretrained(tmp_path / "hf")
+    assert load_script("convert_from_hf").main([str(tmp_path / "hf"), str(tmp_path / "dcp")]) == 0
+    ckpt = tmp_path / "dcp" / "step-0"
+    spec, args = model_from_layout(ckpt)
+    assert spec.name == "qwen3" and args.tie_embeddings == tied and args.head_dim == 32
+    ours = spec.model_cls(args).eval()
+    ours.load_state_dict(read_dcp_model(ckpt))
+    tokens = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf_model(tokens).logits
+        torch.testing.assert_close(ours(tokens), ref, rtol=1e-4, atol=1e-4)
+    assert load_script("convert_to_hf").main([str(ckpt), str(tmp_path / "back")]) == 0
+    back = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path / "back").float().eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(tokens).logits, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_family_without_an_adapter_is_refused(tmp_path, capsys):
+    import dataclasses as dc
+
+    from checkpoint.hf import write_dcp_model
+    from models import MODELS, get_model_spec, register
+
+    llama = get_model_spec("llama3")
+    register(dc.replace(llama, name="no_adapter", hf=None))
+    try:
+        args = dc.replace(llama.flavors["debugmodel"], n_layers=1)
+        sd = Transformer(args).state_dict()
+        model = {"name": "no_adapter", "flavor": "x", "args": dc.asdict(args)}
+        ckpt = write_dcp_model(sd, tmp_path / "ckpt", {"kind": "converted", "model": model})
+        assert load_script("convert_to_hf").main([str(ckpt), str(tmp_path / "out")]) == 1
+        err = capsys.readouterr().err
+        assert "model family 'no_adapter' has no Hugging Face adapter" in err
+        assert "llama3" in err and "qwen3" in err
+    finally:
+        del MODELS["no_adapter"]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import re
 
+import torch
+
 from models.qwen3.model import Qwen3Args
 
 _BLOCK = {
@@ -44,6 +46,23 @@ def from_hf_name(name: str) -> str:
         return _ROOT_BACK[name]
     layer, rest = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name).groups()
     return f"layers.{layer}.{_BLOCK_BACK[rest]}"
+
+
+def to_hf(sd: dict[str, torch.Tensor], args: Qwen3Args) -> dict[str, torch.Tensor]:
+    """Our full state dict -> Hugging Face tensors (the weights need no permutation)."""
+    return {to_hf_name(name): t for name, t in sd.items()}
+
+
+def from_hf(hf: dict[str, torch.Tensor], args: Qwen3Args) -> dict[str, torch.Tensor]:
+    """Hugging Face tensors -> ours; a tied model's output weight is the embedding matrix."""
+    out = {from_hf_name(name): t for name, t in hf.items() if "rotary_emb" not in name}
+    if "output.weight" not in out and args.tie_embeddings:
+        out["output.weight"] = out["tok_embeddings.weight"]
+    return out
+
+
+def config_with_dtype(args: Qwen3Args, dtype: torch.dtype) -> dict:
+    return {**hf_config(args), "torch_dtype": str(dtype).removeprefix("torch.")}
 
 
 def hf_config(args: Qwen3Args) -> dict:
