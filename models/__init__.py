@@ -35,6 +35,17 @@ from models.llama3 import Transformer, llama3_flavors
 from models.llama3 import hf as llama3_hf
 from models.qwen3 import hf as qwen3_hf
 
+# The args fields the framework reads (the FLOPs formula, the TP and pipeline checks, the
+# loader, the estimator); a family's args dataclass may have any others.
+ARGS_FIELDS = {
+    "dim": int,
+    "n_layers": int,
+    "n_heads": int,
+    "head_dim": int,
+    "vocab_size": int,
+    "max_seq_len": int,
+}
+
 
 @dataclass(frozen=True)
 class HFAdapter:
@@ -89,9 +100,18 @@ MODELS: dict[str, ModelSpec] = {}
 
 
 def register(spec: ModelSpec) -> ModelSpec:
-    """Adds a family to the registry (a repeated name is an error: one family per name)."""
+    """Adds a family to the registry (a repeated name is an error: one family per name); its
+    flavors must be dataclasses with the `ARGS_FIELDS` the framework reads."""
     if spec.name in MODELS and MODELS[spec.name] is not spec:
         raise ValueError(f"model family '{spec.name}' is registered twice")
+    for flavor, args in spec.flavors.items():
+        bad = [f"{k} ({t.__name__})" for k, t in ARGS_FIELDS.items()
+               if not isinstance(getattr(args, k, None), t)]  # fmt: skip
+        if not dataclasses.is_dataclass(args) or bad:
+            raise ValueError(
+                f"model family '{spec.name}', flavor '{flavor}': the args must be a dataclass "
+                f"with {', '.join(bad) or 'the framework fields'} (models.ARGS_FIELDS)"
+            )
     MODELS[spec.name] = spec
     return spec
 

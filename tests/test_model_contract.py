@@ -156,3 +156,15 @@ def test_a_family_registered_outside_the_tree_trains(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert bad.returncode == 2 and "job.custom_import" in bad.stderr
+
+
+def test_register_checks_the_args_the_framework_reads():
+    import dataclasses as dc
+
+    from models import register
+
+    llama = get_model_spec("llama3")
+    with pytest.raises(ValueError, match=r"flavor 'x'.*head_dim \(int\)"):
+        register(dc.replace(llama, name="bad", flavors={"x": dc.make_dataclass("A", ["dim"])(1)}))
+    with pytest.raises(ValueError, match="registered twice"):
+        register(dc.replace(llama))
