@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -50,13 +49,10 @@ from checkpoint.storage import (
 
 logger = logging.getLogger("meshtrain")
 
-# Test hook: "STEP:SECONDS" makes every rank sleep inside the save of checkpoint STEP, after
-# writing its shards and before DCP's metadata and the commit (a deterministic kill window).
-DELAY_ENV = "MESHTRAIN_TEST_CKPT_SAVE_DELAY"
-
 
 class _Writer(FileSystemWriter):
-    """FileSystemWriter with the optional test delay after this rank's shards are written."""
+    """FileSystemWriter with the optional delay after this rank's shards are written, before
+    DCP's metadata and the commit (`debug.checkpoint_save_delay_step`: a kill window)."""
 
     def __init__(self, path: Path, delay_s: float = 0.0, label: str = ""):
         super().__init__(str(path), overwrite=False)
@@ -67,9 +63,8 @@ class _Writer(FileSystemWriter):
         fut = super().write_data(plan, planner)
         if self.delay_s > 0:
             logger.warning(
-                "test hook %s: sleeping %.0f s inside the save of %s (shards "
-                "written, not committed)",
-                DELAY_ENV,
+                "debug.checkpoint_save_delay_step: sleeping %.0f s inside the save of %s "
+                "(shards written, not committed)",
                 self.delay_s,
                 self.label,
             )
@@ -88,14 +83,6 @@ class _Pending:
     upload: Future
     staging: Future | None
     started: float
-
-
-def _test_delay(step: int) -> float:
-    spec = os.environ.get(DELAY_ENV, "")
-    if not spec:
-        return 0.0
-    at, _, seconds = spec.partition(":")
-    return float(seconds or 0) if int(at) == step else 0.0
 
 
 def layout_info(parallel_dims) -> dict:
@@ -365,7 +352,9 @@ class CheckpointManager:
         self._barrier()
         layout = self._layout(step, kind, components, export_dtype)
         sd = self._state(components, export_dtype)
-        writer = _Writer(tmp, _test_delay(step) if kind == "full" else 0.0, final.name)
+        debug = self.cfg.debug
+        delay = debug.checkpoint_save_delay_s if debug.checkpoint_save_delay_step == step else 0.0
+        writer = _Writer(tmp, delay if kind == "full" else 0.0, final.name)
         if not use_async:
             with single_process():
                 dcp.save(

@@ -438,6 +438,13 @@ def _check_unused(cfg: JobConfig, problems: Problems) -> None:
          "add --job.dry_run"),
         (cfg.debug.fail_at_step > t.steps, "debug.fail_at_step", "training.steps", steps,
          "lower it"),
+        (cfg.debug.hang_at_step > t.steps, "debug.hang_at_step", "training.steps", steps,
+         "lower it"),
+        (cfg.debug.checkpoint_save_delay_step == 0, "debug.checkpoint_save_delay_s",
+         "debug.checkpoint_save_delay_step", "debug.checkpoint_save_delay_step = 0",
+         "set the step whose save sleeps"),
+        (not ck.enable, "debug.checkpoint_save_delay_step", "checkpoint.enable",
+         "checkpoint.enable = false", "set checkpoint.enable = true"),
     ]
     # fmt: on
     for when, keys, because, reason, fix in rules:

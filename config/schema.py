@@ -263,6 +263,23 @@ class Debug:
         "torchrun attempt only (TORCHELASTIC_RESTART_COUNT = 0); 0 = off",
         ge=0,
     )
+    hang_at_step: int = opt(
+        0,
+        "Fault-injection test: the last rank stops answering at this step (first torchrun "
+        "attempt only), so the others' next collective runs into comm.train_timeout_seconds; "
+        "0 = off",
+        ge=0,
+    )
+    checkpoint_save_delay_step: int = opt(
+        0,
+        "Fault-injection test: every rank sleeps debug.checkpoint_save_delay_s inside the "
+        "full save of this step, after writing its shards and before the commit (a window "
+        "to kill a save in); 0 = off",
+        ge=0,
+    )
+    checkpoint_save_delay_s: float = opt(
+        60.0, "Seconds of the sleep debug.checkpoint_save_delay_step asks for", ge=0
+    )
 
 
 @dataclass

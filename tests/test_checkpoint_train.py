@@ -289,7 +289,10 @@ def test_killed_save_leaves_the_previous_checkpoint(tmp_path, reference):
         "5",
         "--checkpoint.async_mode",
         "async",
-        env={"MESHTRAIN_TEST_CKPT_SAVE_DELAY": "10:120"},
+        "--debug.checkpoint_save_delay_step",
+        "10",
+        "--debug.checkpoint_save_delay_s",
+        "120",
         wait=False,
     )
     try:

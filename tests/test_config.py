@@ -267,6 +267,12 @@ PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
         (["--job.simulate_world_size", "8"], "job.simulate_world_size set but job.dry_run"),
         (["--debug.fail_at_step", "20", "--training.steps", "10"],
          "debug.fail_at_step set but training.steps = 10 ends the run first"),
+        (["--debug.hang_at_step", "20", "--training.steps", "10"],
+         "debug.hang_at_step set but training.steps = 10 ends the run first"),
+        (["--debug.checkpoint_save_delay_s", "5"],
+         "debug.checkpoint_save_delay_s set but debug.checkpoint_save_delay_step = 0"),
+        (["--debug.checkpoint_save_delay_step", "5"],
+         "debug.checkpoint_save_delay_step set but checkpoint.enable = false"),
     ],
 )  # fmt: skip
 def test_ignored_options_are_rejected_naming_both_keys(argv, expected):

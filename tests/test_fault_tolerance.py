@@ -48,11 +48,7 @@ def runs(tmp_path_factory):
     specs = {
         "reference": (ckpt, 0, None),
         "failing": (ckpt + ["--debug.fail_at_step", "4"], 1, None),
-        "hang": (
-            ["--comm.train_timeout_seconds", "5"],
-            0,
-            {"MESHTRAIN_TEST_HANG_AT_STEP": "3"},
-        ),
+        "hang": (["--comm.train_timeout_seconds", "5", "--debug.hang_at_step", "3"], 0, None),
     }
     started = {}
     for name, (args, restarts, env) in specs.items():

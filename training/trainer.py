@@ -53,18 +53,14 @@ class StepError(RuntimeError):
     (a collective timeout then says which rank gave up at which step)."""
 
 
-# Test hook: "K" makes the last rank sleep at step K (first attempt), so the others' next
-# collective runs into comm.train_timeout_seconds.
-HANG_ENV = "MESHTRAIN_TEST_HANG_AT_STEP"
-
-
 def _maybe_inject_failure(cfg: JobConfig, step: int, rank: int, world_size: int) -> None:
-    """`debug.fail_at_step`: the last rank fails at that step on torchrun's first attempt."""
+    """`debug.fail_at_step` / `debug.hang_at_step`: the last rank fails, or stops answering,
+    at that step on torchrun's first attempt."""
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if rank != world_size - 1 or attempt != 0:
         return
-    if os.environ.get(HANG_ENV) == str(step):  # test hook: a rank that stops answering
-        logger.warning("test hook %s: rank %d hangs at step %d", HANG_ENV, rank, step)
+    if cfg.debug.hang_at_step == step:
+        logger.warning("debug.hang_at_step: rank %d hangs at step %d", rank, step)
         signal.signal(signal.SIGTERM, lambda *_: os._exit(1))  # torchrun's teardown
         time.sleep(3600)
     if cfg.debug.fail_at_step == step:
