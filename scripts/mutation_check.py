@@ -195,9 +195,9 @@ MUTANTS = [
     ),
     Mutant(
         "tied_embeddings_in_their_own_fsdp_unit",
-        "Qwen3 tied: the embeddings get their own FSDP unit, apart from the output sharing them",
-        "models/qwen3/parallelize.py",
-        "    if model.args.tie_embeddings:\n",
+        "tied embeddings get their own FSDP unit, apart from the output sharing them",
+        "parallelisms/fsdp.py",
+        "    if tied:\n",
         "    if False:\n",
         (f"{QWEN3_PARITY}[tied_fsdp2]",),
     ),
