@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# NOT YET RUN ON A GPU: no session has been lent one so far. Its arguments pass train.py's
+# NOT YET RUN ON A GPU. Its arguments pass train.py's
 # config checks on CPU (`CHECK_ONLY=1`, run by tests/test_gpu_check.py).
 #
 # A Llama 3 8B-shaped model (dim 4096, 32 heads, 8 KV heads, the 8B FFN, a 128,256-token
@@ -36,9 +36,9 @@ fi
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 if [ "$NGPU" -gt 1 ]; then EAGER=("zero3_${NGPU}") COMPILED=("zero3_${NGPU}" --compile.enable true)
 else EAGER=(single_eager) COMPILED=(single_compiled); fi
-# Both invocations run even if one fails; with OUT set (the device tool's folder) each one's
+# Both invocations run even if one fails; with OUT set (a folder to collect results) each one's
 # table (bench.md, bench.json) and its run's log (every logged step) are copied there, since
-# nothing else comes back: 6 files, leaving 2 of the tool's 8 for the caller's own logs.
+# OUT is what a remote run returns: 6 files in all.
 status=0
 for kind in eager compiled; do
   [ "$kind" = eager ] && set -- "${EAGER[@]}" || set -- "${COMPILED[@]}"
