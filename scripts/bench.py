@@ -48,7 +48,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 HELD = re.compile(
     r"held per rank: params ([\d.]+) MiB, grads ([\d.]+) MiB, optimizer state ([\d.]+)"
@@ -144,7 +143,7 @@ def estimated_mib(row: Row, ns, extra: list[str]) -> float | None:
         return None
     import torch
 
-    from config import parse_args
+    from job_config import parse_args
     from models import get_model_spec, model_args_for
     from parallelisms.estimate import simulate
 
@@ -174,7 +173,7 @@ def machine() -> dict:
 
 def compute_dtype(overrides: list[str]):
     """The matmul dtype train.py will compute in with these overrides on this machine."""
-    from config import parse_args
+    from job_config import parse_args
     from parallelisms.fsdp import mixed_precision_dtypes
     from training.distributed import device_type
 
@@ -225,7 +224,7 @@ def flops_per_token(overrides: list[str]) -> tuple[float, int]:
     """(FLOPs per token, parameters) of the configured model, counted on the meta device."""
     import torch
 
-    from config import parse_args
+    from job_config import parse_args
     from metrics import count_params
     from metrics import flops_per_token as fpt
     from models import get_model_spec, model_args_for
@@ -355,11 +354,11 @@ def table(results: list[dict], baseline: str | None) -> list[str]:
 
 
 def bare_worker(argv: list[str]) -> int:
-    """The baseline: setup through meshtrain's config/model registry, then a plain loop."""
+    """The baseline: setup through meshtrain's job_config/model registry, then a plain loop."""
     import torch
     import torch.nn.functional as F
 
-    from config import parse_args
+    from job_config import parse_args
     from models import get_model_spec, model_args_for
     from parallelisms.init_weights import init_weights
 

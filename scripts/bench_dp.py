@@ -12,10 +12,9 @@ import argparse
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+import bench  # scripts/bench.py, next to this file
 
-import bench  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 NAMES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
 

@@ -5,7 +5,6 @@ python scripts/checkpoint_info.py PATH --summary  # without the per-tensor listi
 """
 
 import argparse
-import os
 import pickle
 import sys
 import warnings
@@ -15,10 +14,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from checkpoint.hf import human_bytes  # noqa: E402
-from checkpoint.storage import CheckpointError, read_layout, resolve_load_path  # noqa: E402
+from checkpoint.hf import human_bytes
+from checkpoint.storage import CheckpointError, read_layout, resolve_load_path
 
 
 def _small_state(path: Path, metadata: dict) -> dict:

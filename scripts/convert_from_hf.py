@@ -7,22 +7,19 @@ safetensors, one file or sharded) -> a model-only DCP checkpoint `OUTPUT/step-0`
 import argparse
 import dataclasses
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from checkpoint.hf import (  # noqa: E402
+from checkpoint.hf import (
     human_bytes,
     read_hf_weights,
     total_bytes,
     write_dcp_model,
 )
-from checkpoint.state import DTYPES  # noqa: E402
-from checkpoint.storage import CheckpointError  # noqa: E402
+from checkpoint.state import DTYPES
+from checkpoint.storage import CheckpointError
 
 
 def family_for(config: dict, name: str):
@@ -103,7 +100,7 @@ def convert(
         "dtype": ",".join(dtypes),
         "model": {
             "name": spec.name,
-            "flavor": flavor or "(from config.json)",
+            "flavor": flavor or "(from job_config.json)",
             "args": dataclasses.asdict(args),
         },
         "train_state": {"step": 0, "tokens_seen": 0},

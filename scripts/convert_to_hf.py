@@ -7,13 +7,10 @@ config.json + safetensors.
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from checkpoint.hf import (  # noqa: E402
+from checkpoint.hf import (
     hf_adapter,
     human_bytes,
     model_from_layout,
@@ -21,8 +18,8 @@ from checkpoint.hf import (  # noqa: E402
     total_bytes,
     write_hf_weights,
 )
-from checkpoint.state import DTYPES  # noqa: E402
-from checkpoint.storage import CheckpointError, resolve_load_path  # noqa: E402
+from checkpoint.state import DTYPES
+from checkpoint.storage import CheckpointError, resolve_load_path
 
 
 def convert(

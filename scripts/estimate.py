@@ -15,18 +15,15 @@ Nothing is allocated: the model is built on the meta device and each simulated r
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from config import ConfigError, JobConfig, parse_args  # noqa: E402
-from metrics.flops import flops_per_token  # noqa: E402
-from models import get_model_spec, model_args_for  # noqa: E402
-from models.llama3 import ModelArgs  # noqa: E402
-from parallelisms import estimate as est  # noqa: E402
-from parallelisms.parallel_dims import ParallelismError  # noqa: E402
+from job_config import ConfigError, JobConfig, parse_args
+from metrics.flops import flops_per_token
+from models import get_model_spec, model_args_for
+from models.llama3 import ModelArgs
+from parallelisms import estimate as est
+from parallelisms.parallel_dims import ParallelismError
 
 GIB = est.GIB
 # Llama 2 13B's shape (the classic ZeRO exercise model): 13.0B parameters.

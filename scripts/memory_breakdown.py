@@ -24,7 +24,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 MIB = 2**20
 
@@ -123,7 +122,7 @@ def format_table(per_rank: list[dict], title: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
-    from config import ConfigError, parse_args
+    from job_config import ConfigError, parse_args
     from parallelisms.parallel_dims import ParallelismError
     from training.distributed import LaunchError, cleanup, launch_env
 

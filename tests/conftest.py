@@ -1,4 +1,9 @@
-"""Under CI a skipped test fails the run.
+"""Session-wide test setup: processes the tests start import this tree, and under CI a skipped
+test fails the run.
+
+The packages are installed in editable mode, pointing at whichever checkout installed them;
+PYTHONPATH makes every `train.py`, torchrun worker and script the tests start import the
+packages of the tree under test (a clone, or scripts/mutation_check.py's mutated copy).
 
 `./run_tests.sh` prints every skip with its reason in the short summary (`-ra` in
 pyproject.toml's addopts). That is enough on a laptop, where a missing GPU or package is a
@@ -17,8 +22,11 @@ list exceptions, is empty. The SLURM test and the parity layouts may never be li
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
+
+os.environ["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
 
 pytest_plugins = ["pytester"]  # tests/test_slurm.py runs inner pytest sessions to prove this
 

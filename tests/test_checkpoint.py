@@ -21,7 +21,7 @@ from checkpoint.storage import (
     read_layout,
     step_dir,
 )
-from config import JobConfig
+from job_config import JobConfig
 from models.llama3.model import ModelArgs, Transformer
 from parallelisms.init_weights import init_weights
 from training.optimizer import build_lr_scheduler, build_optimizer

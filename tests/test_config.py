@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from config import ConfigError, JobConfig, config_notes, config_to_toml, help_text, parse_args
-from config.loader import CONFIGS_DIR
+from job_config import ConfigError, JobConfig, config_notes, config_to_toml, help_text, parse_args
+from job_config.loader import CONFIGS_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -328,8 +328,8 @@ def test_a_file_suffix_names_the_dataset_and_the_log_says_so(path, kind):
 
 
 def test_suffixes_match_the_data_readers():
-    from config.loader import _SUFFIX_DATASETS
     from data.sources import FILE_EXTENSIONS
+    from job_config.loader import _SUFFIX_DATASETS
 
     assert {s: k for k, suffixes in FILE_EXTENSIONS.items() for s in suffixes} == _SUFFIX_DATASETS
 

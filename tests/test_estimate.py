@@ -15,7 +15,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from config import parse_args
+from job_config import parse_args
 from models import arg_overrides, build_model_args, get_model_spec, model_args_for
 from parallelisms import estimate as est
 from parallelisms.init_weights import materialize

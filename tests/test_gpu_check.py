@@ -34,8 +34,7 @@ def test_shaped_tokenizer_has_llama3_vocabulary_and_trains(tmp_path):
     assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id and max(ids[1:-1]) > 255  # merges
 
     # bench.py counts FLOPs (and MFU) with the tokenizer's vocabulary, as train.py builds it
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import bench
+    from scripts import bench
 
     shape = ["--config", "tests/tiny_model.toml"]
     _, sample_params = bench.flops_per_token(shape)

@@ -120,7 +120,7 @@ def test_hf_round_trip_and_logits(tmp_path, scaled_rope, tied, sharded, factor):
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_qwen3_converts_both_ways_by_its_family_adapter(tmp_path, tied):
-    """The scripts pick the family from config.json's model_type (in) and from the family the
+    """The scripts pick the family from job_config.json's model_type (in) and from the family the
     checkpoint records (out): a Qwen3 checkpoint round-trips and its logits equal the HF
     model's."""
     from checkpoint.hf import model_from_layout, read_dcp_model

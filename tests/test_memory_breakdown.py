@@ -11,7 +11,7 @@ import sys
 import torch
 from dist_utils import ROOT, TINY_CONFIG, _env
 
-from config import parse_args
+from job_config import parse_args
 from models import get_model_spec, model_args_for
 from training.trainer import load_tokenizer
 

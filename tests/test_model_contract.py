@@ -110,7 +110,7 @@ def test_tp_plan_gaps_are_named_at_parallelize_time():
 
 
 def test_family_checks_run_with_the_config():
-    from config import parse_args
+    from job_config import parse_args
     from train import check_config
 
     base = ["--config", "debug_model", "--model.name", "qwen3", "--model.flavor", "debugmodel"]

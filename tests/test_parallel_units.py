@@ -13,7 +13,7 @@ import pytest
 import torch
 from dist_utils import spawn
 
-from config import ConfigError, parse_args
+from job_config import ConfigError, parse_args
 from models.llama3 import ModelArgs, Transformer
 from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.init_weights import init_weights

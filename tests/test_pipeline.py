@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from config import parse_args
+from job_config import parse_args
 from models.llama3 import ModelArgs, Transformer
 from models.llama3.pipeline import llama_stage_modules
 from parallelisms.parallel_dims import ParallelismError

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from config import parse_args
+from job_config import parse_args
 from models.llama3 import ModelArgs, Transformer
 from parallelisms.init_weights import init_weights
 from training.loss import cross_entropy_sum

@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 
-from config import JobConfig
 from data.dataloader import build_dataloader
 from data.sample_corpus import default_cache_dir
 from data.tokenizer import build_tokenizer
+from job_config import JobConfig
 from metrics import MetricsLogger, count_params, device_peak_flops, flops_per_token, throughput
 from metrics.memory import peak_memory_gib, process_rss_gib, reset_peak_memory
 from models import get_model_spec, model_args_for

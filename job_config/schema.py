@@ -1,7 +1,7 @@
 """The typed configuration schema: one dataclass per TOML section.
 
 Every option is declared with `opt(default, help, ...)`, which records its one-line help and
-its allowed range; `config.loader` reads these to parse TOML and command-line overrides,
+its allowed range; `job_config.loader` reads these to parse TOML and command-line overrides,
 validate them and print `--help`. Names follow torchtitan's TOML where the same setting exists
 there, so configs carry over.
 """

@@ -17,7 +17,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-from config.schema import JobConfig
+from job_config.schema import JobConfig
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -1,6 +1,6 @@
 """Typed job configuration: schema (dataclasses) and loading (TOML + command line)."""
 
-from config.loader import (
+from job_config.loader import (
     ConfigError,
     config_notes,
     config_to_toml,
@@ -8,7 +8,7 @@ from config.loader import (
     parse_args,
     validate,
 )
-from config.schema import JobConfig
+from job_config.schema import JobConfig
 
 __all__ = [
     "ConfigError",
