@@ -1,30 +1,12 @@
-"""Data parallelism: FSDP2 (`fully_shard`, ZeRO-3, also HSDP) and the ZeRO stage dispatch.
+"""FSDP2 (`fully_shard`): ZeRO-3 per unit, HSDP on the 2-D (dp_replicate, dp_shard) mesh.
 
-How each `parallelism.zero_stage` holds memory (fp32, Psi parameters, N data-parallel ranks,
-Adam; bytes per rank after a step):
-
-  stage 0  `apply_zero(stage=0)`  DDP: full params, full all-reduced grads, full Adam state
-           = 4 Psi + 4 Psi + 8 Psi
-  stage 1  `apply_zero(stage=1)`  full params and full all-reduced grads; the optimizer sees
-           `Shard(0)` DTensor views of the params and grads, so Adam state is 1/N
-           = 4 Psi + 4 Psi + 8 Psi / N
-  stage 2  `apply_zero(stage=2)`  full params; each grad is reduce-scattered as backward
-           produces it and only the shard is kept = 4 Psi + (4 + 8) Psi / N
-  stage 3  `fully_shard` below    params, grads and Adam state all sharded = 16 Psi / N
-           (HSDP on the 2-D (dp_replicate, dp_shard) mesh: N = dp_shard; replicas only,
-           i.e. dp_shard = 1, is plain DDP = stage 0)
-
-Why stages 1-2 are not FSDP2 with resharding disabled: FSDP2 always keeps its sharded
-parameter *and* the all-gathered unsharded one, so `reshard_after_forward=False` +
-`set_reshard_after_backward(False)` holds 4 Psi + 4 Psi / N of parameters; in fp32 the extra
-shard is a redundant copy (with bf16 it plays the paper's fp32 master weights, which
-`apply_zero` keeps too). `apply_zero` makes the shard a view into the full parameter instead.
+The family names its units (`FsdpUnit`, usually `embed_blocks_head_units`);
+`parallelisms/data_parallel.py` decides when a run uses FSDP rather than `apply_zero`.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -34,20 +16,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from parallelisms.parallel_dims import ParallelDims
-from parallelisms.zero import apply_zero
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def mixed_precision_dtypes(training_cfg, device_type: str) -> tuple[torch.dtype, torch.dtype]:
-    """(param/compute dtype, gradient-reduction dtype); `auto` = bf16 on CUDA, fp32 on CPU:
-    CPUs without bf16 instructions run bf16 matmuls far slower than fp32, and fp32 keeps CPU
-    runs comparable across layouts (CPUs with `avx512_bf16`/`amx_bf16` train faster in bf16,
-    `--training.mixed_precision_param bfloat16`)."""
-    param = training_cfg.mixed_precision_param
-    if param == "auto":
-        param = "bfloat16" if device_type == "cuda" else "float32"
-    return _DTYPES[param], _DTYPES[training_cfg.mixed_precision_reduce]
 
 
 def fsdp_mesh(parallel_dims: ParallelDims) -> DeviceMesh:
@@ -148,38 +116,3 @@ def apply_fsdp(
     # last reduce-scatters at the end of backward.
     fully_shard(model, reshard_after_forward=always, **kwargs)
     return model
-
-
-def apply_data_parallel(
-    model: nn.Module,
-    parallel_dims: ParallelDims,
-    job_config,
-    device_type: str,
-    fsdp_units: Callable[[nn.Module], list[FsdpUnit]],
-) -> nn.Module:
-    """Applies `parallelism.zero_stage` over the data-parallel mesh (see the module doc);
-    `fsdp_units(model)` gives the family's FSDP units for stage 3."""
-    t, p = job_config.training, job_config.parallelism
-    param_dtype, reduce_dtype = mixed_precision_dtypes(t, device_type)
-    stage = parallel_dims.zero_stage
-    if parallel_dims.dp_shard == 1:  # only replicas (dp_replicate > 1): nothing to shard
-        stage = 0
-    if stage == 3:
-        return apply_fsdp(
-            model,
-            fsdp_mesh(parallel_dims),
-            fsdp_units(model),
-            param_dtype=param_dtype,
-            reduce_dtype=reduce_dtype,
-            reshard_after_forward=p.fsdp_reshard_after_forward,
-            cpu_offload=t.enable_cpu_offload,
-            pp_enabled=parallel_dims.pp_enabled,
-            pin_memory=device_type == "cuda",
-        )
-    return apply_zero(
-        model,
-        parallel_dims.dim("dp"),
-        stage,
-        param_dtype=param_dtype,
-        reduce_dtype=reduce_dtype,
-    )

@@ -24,10 +24,10 @@ from metrics import MetricsLogger, count_params, device_peak_flops, flops_per_to
 from metrics.memory import peak_memory_gib, process_rss_gib, reset_peak_memory
 from models import get_model_spec, model_args_for
 from parallelisms.compile import maybe_compile_loss
-from parallelisms.fsdp import mixed_precision_dtypes
 from parallelisms.init_weights import materialize
 from parallelisms.layout_record import built_layout, summarize, write_layout
 from parallelisms.memory_report import memory_report
+from parallelisms.mixed_precision import mixed_precision_dtypes
 from parallelisms.parallel_dims import ParallelDims, log_mesh
 from training.distributed import (
     init_process_group,

@@ -15,7 +15,8 @@ from torch.distributed.tensor.parallel import (
 
 from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.compile import apply_compile
-from parallelisms.fsdp import FsdpUnit, apply_data_parallel, embed_blocks_head_units
+from parallelisms.data_parallel import apply_data_parallel
+from parallelisms.fsdp import FsdpUnit, embed_blocks_head_units
 from parallelisms.parallel_dims import ParallelDims, ParallelismError, tied_weight_problems
 from parallelisms.tensor_parallel import TPPlan, apply_tp, check_tp
 
