@@ -21,11 +21,11 @@ had before its model was built (interpreter, libraries, process groups: what no 
 shard; "peak - runtime"), parameter + gradient + optimizer bytes
 held per rank (memory_report after step 1), and the ratio to the baseline row.
 
-Row `bare` is a plain PyTorch loop over the same model class: model, AdamW (foreach), fp32
-cross-entropy, backward, grad-norm clip, step, zero_grad, `loss.item()` each step (as
-train.py does at log_freq 1) — no meshtrain code between the batch and the next batch;
-with a bf16 compute dtype (`--training.mixed_precision_param bfloat16`) its forward runs
-under `torch.autocast`, plain PyTorch's mixed precision.
+Row `bare` is a plain PyTorch loop over the same model class (scripts/bare_loop.py): model,
+AdamW (foreach), fp32 cross-entropy, backward, grad-norm clip, step, zero_grad, `loss.item()`
+each step (as train.py does at log_freq 1) — no meshtrain code between the batch and the next
+batch; with a bf16 compute dtype (`--training.mixed_precision_param bfloat16`) its forward
+runs under `torch.autocast`, plain PyTorch's mixed precision.
 Threads: single-process rows use all cores; an N-rank row gives each rank cores/N.
 Results go to <output>/bench.json and <output>/bench.md with machine, torch, command, date.
 """
@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+BARE_LOOP = Path(__file__).resolve().with_name("bare_loop.py")  # the `bare` row
 
 HELD = re.compile(
     r"held per rank: params ([\d.]+) MiB, grads ([\d.]+) MiB, optimizer state ([\d.]+)"
@@ -248,7 +249,7 @@ def _command(row: Row, ns, extra: list[str], folder: Path) -> tuple[list[str], d
     common += ["--validation.enable", "false", "--metrics.enable_tensorboard", "false"]
     common += [*extra, *row.args]
     if row.bare:
-        return [sys.executable, __file__, "--bare-worker", *common], env
+        return [sys.executable, str(BARE_LOOP), *common], env
     if row.nproc == 1:
         return [sys.executable, "train.py", *common], env
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -353,68 +354,23 @@ def table(results: list[dict], baseline: str | None) -> list[str]:
     return lines
 
 
-def bare_worker(argv: list[str]) -> int:
-    """The baseline: setup through meshtrain's job_config/model registry, then a plain loop."""
-    import torch
-    import torch.nn.functional as F
+@dataclass
+class Reference:
+    """What every row is measured against: the machine, the model's FLOPs per token and the
+    matmul peak in the runs' compute dtype (measured before the runs)."""
 
-    from job_config import parse_args
-    from models import get_model_spec, model_args_for
-    from parallelisms.init_weights import init_weights
-
-    cfg = parse_args(argv)
-    t, o = cfg.training, cfg.optimizer
-    folder = Path(cfg.job.dump_folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(cfg.debug.seed)
-    args = model_args_for(cfg.model, t.seq_len, vocab_size(cfg))
-    with torch.device("meta"):
-        model = get_model_spec(cfg.model.name).model_cls(args)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        init_weights(model, cfg.debug.seed)
-    model.init_buffers("cpu")
-    model.train()
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-        weight_decay=o.weight_decay, foreach=True,
-    )  # fmt: skip
-    dtype = compute_dtype(argv)  # bf16 compute: plain PyTorch's way is autocast
-    b, s = t.local_batch_size, t.seq_len
-    data = torch.randint(0, args.vocab_size, (t.steps, b, s + 1))
-    params = list(model.parameters())
-    with open(folder / "metrics.jsonl", "w") as out:
-        for step in range(t.steps):
-            t0 = time.perf_counter()
-            batch = data[step]
-            inputs, labels = batch[:, :-1], batch[:, 1:]
-            with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-                logits = model(inputs)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, t.max_norm, foreach=True)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            value = loss.item()
-            dt = time.perf_counter() - t0
-            rec = {"step": step + 1, "kind": "train", "loss": value, "step_time_s": dt}
-            rec["tokens_per_sec"] = b * s / dt
-            rec["memory_gib"] = 0.0
-            out.write(json.dumps(rec) + "\n")
-    return 0
+    info: dict
+    cores: int
+    fpt: float
+    n_params: int
+    sizes: tuple[int, ...]
+    dtype: object
+    peak: float
+    peak_src: str
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "--bare-worker":
-        return bare_worker(argv[1:])
-    if argv and argv[0] == "--render":  # re-render a folder's bench.json (e.g. new baseline)
-        folder = Path(argv[1])
-        payload = json.loads((folder / "bench.json").read_text())
-        if len(argv) > 2:
-            payload["baseline"] = argv[2]
-        print(render(payload, folder))
-        return 0
+def parse_cli(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[Row]]:
+    """bench.py's own options, the train.py overrides it passes on, and the rows to run."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rows", default=DEFAULT_ROWS, help=f"comma list of: {', '.join(ROWS)}")
     ap.add_argument("--config", default="debug_model")
@@ -433,10 +389,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if get_row(n) is None]
     if unknown:
         ap.error(f"unknown rows {unknown}; known: {', '.join(ROWS)}, ddp_N, zero[123]_N")
-    rows = [get_row(n) for n in names]
-    Path(ns.output).mkdir(parents=True, exist_ok=True)
+    return ns, extra, [get_row(n) for n in names]
+
+
+def measure_reference(ns, extra: list[str]) -> Reference:
+    """The machine, the model's FLOPs and the peak before the runs, announced in one line."""
     cores = os.cpu_count() or 1
-    started = datetime.datetime.now(datetime.timezone.utc)
     info = machine()
     fpt, n_params = flops_per_token(["--config", ns.config, *extra])
     sizes = tuple(int(x) for x in ns.peak_sizes.split(","))
@@ -445,8 +403,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{info['cpu']}, {cores} cores, torch {info['torch']}; peak {peak / 1e12:.3f} "
           f"TFLOP/s ({peak_src}); model {n_params:,} params, {fpt / 1e9:.3f} GFLOP/token",
           flush=True)  # fmt: skip
+    return Reference(info, cores, fpt, n_params, sizes, dtype, peak, peak_src)
+
+
+def run_repeats(
+    rows: list[Row], ns, extra: list[str], ref: Reference
+) -> tuple[dict[str, list[dict]], float]:
+    """Every row `ns.repeats` times, interleaved; (the runs by row, the best peak re-measured
+    after each repeat: the best reading is the least disturbed)."""
     runs: dict[str, list[dict]] = {r.name: [] for r in rows}
-    peaks_after = []  # re-measured after every repeat: the best reading is the least disturbed
+    peaks_after = []
     for rep in range(ns.repeats):
         for row in rows:
             load = os.getloadavg()[0]
@@ -456,38 +422,71 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  repeat {rep} {row.name:22} {res['tok_s_dev']:>10,.0f} tok/s/dev  "
                   f"step {res['step_s']:.3f}s  load {load:.1f}  ({res['wall_s']:.0f}s)",
                   flush=True)  # fmt: skip
-        peaks_after.append(measure_peak(cores, sizes, dtype, describe=False)[0])
+        peaks_after.append(measure_peak(ref.cores, ref.sizes, ref.dtype, describe=False)[0])
+    return runs, max(peaks_after)
+
+
+def estimates(rows: list[Row], ns, extra: list[str]) -> dict[str, float | None]:
+    """The estimator's MiB per rank of each row (None without --estimate). Run after the
+    timed runs: a failure here must not lose their numbers, so it leaves the row blank."""
     est = {}
-    for r in rows:  # after the timed runs: a failure here must not lose their numbers
+    for r in rows:
         try:
             est[r.name] = estimated_mib(r, ns, extra) if ns.estimate else None
         except Exception as e:  # noqa: BLE001
             print(f"  estimate for {r.name} failed ({type(e).__name__}: {e}); left blank")
             est[r.name] = None
-    peak_after = max(peaks_after)
+    return est
+
+
+def run_bench(argv: list[str]) -> int:
+    """The benchmark: every row's runs, then the table (printed, bench.json, bench.md)."""
+    ns, extra, rows = parse_cli(argv)
+    Path(ns.output).mkdir(parents=True, exist_ok=True)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    ref = measure_reference(ns, extra)
+    runs, peak_after = run_repeats(rows, ns, extra, ref)
     payload = {
         "title": ns.title or "meshtrain benchmark",
         "date": started.isoformat(),
         "command": "python scripts/bench.py " + shlex.join(argv),
         # allocator and threading variables change speed and RSS: record any that were set
         "env": {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "GLIBC_"))},
-        "machine": info,
-        "peak_flops_before": peak,
+        "machine": ref.info,
+        "peak_flops_before": ref.peak,
         "peak_flops_after": peak_after,
-        "peak_source": peak_src,
-        "flops_per_token": fpt,
-        "params": n_params,
+        "peak_source": ref.peak_src,
+        "flops_per_token": ref.fpt,
+        "params": ref.n_params,
         "config": ns.config,
         "overrides": extra,
         "steps": ns.steps,
         "warmup": ns.warmup,
         "repeats": ns.repeats,
         "baseline": ns.baseline,
-        "est_mib": est,
+        "est_mib": estimates(rows, ns, extra),
         "runs": runs,
     }
     print("\n" + render(payload, Path(ns.output)))
     return 0
+
+
+def rerender(argv: list[str]) -> int:
+    """`--render FOLDER [BASELINE]`: the table of a folder's bench.json again (e.g. with a
+    new baseline row), rewriting its bench.json and bench.md."""
+    folder = Path(argv[0])
+    payload = json.loads((folder / "bench.json").read_text())
+    if len(argv) > 1:
+        payload["baseline"] = argv[1]
+    print(render(payload, folder))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--render":
+        return rerender(argv[1:])
+    return run_bench(argv)
 
 
 def render(payload: dict, folder: Path) -> str:
