@@ -367,26 +367,35 @@ def _check_dataset_path(cfg: JobConfig, problems: Problems, section: str) -> Non
     )
 
 
-def _check_unused(cfg: JobConfig, problems: Problems) -> None:
-    """Options set by the user that the rest of the config ignores (see _given)."""
-    t, v, p, ck, prof = cfg.training, cfg.validation, cfg.parallelism, cfg.checkpoint, cfg.profiling
-    _check_dataset_path(cfg, problems, "training")
-    if v.enable:
-        _check_dataset_path(cfg, problems, "validation")
-    ac_mode, lr, opt = cfg.activation_checkpoint.mode, cfg.lr_scheduler, cfg.optimizer
+# A rule of _check_unused: (when, the keys then ignored, the keys that make them so, why, fix).
+_Rule = tuple[bool, str, str, str, str]
+
+
+def _ends_first(cfg: JobConfig) -> str:
+    return f"training.steps = {cfg.training.steps} ends the run first"
+
+
+def _data_rules(cfg: JobConfig) -> list[_Rule]:
+    t, v = cfg.training, cfg.validation
     kinds = {t.dataset} | ({v.dataset or t.dataset} if v.enable else set())
-    seed_folder = "" if ck.create_seed_checkpoint else "checkpoint.folder "  # the seed's folder
-    steps = f"training.steps = {t.steps} ends the run first"
     # fmt: off
-    rules = [  # (when, the keys then ignored, the keys that make them so, why, fix)
+    return [
         (not v.enable, "validation.dataset validation.dataset_path validation.freq "
          "validation.steps", "validation.enable", "validation.enable = false",
          "set validation.enable = true"),
         (v.enable and v.freq > t.steps, "validation.enable validation.freq", "training.steps",
-         f"validation.freq = {v.freq} > {steps}", "lower validation.freq"),
+         f"validation.freq = {v.freq} > {_ends_first(cfg)}", "lower validation.freq"),
         (not kinds & {"jsonl", "parquet", "huggingface"}, "training.dataset_text_field",
          "training.dataset validation.dataset validation.enable",
          f"training.dataset = '{t.dataset}' (no records)", "use jsonl, parquet or huggingface"),
+    ]
+    # fmt: on
+
+
+def _layout_rules(cfg: JobConfig) -> list[_Rule]:
+    p, ac_mode = cfg.parallelism, cfg.activation_checkpoint.mode
+    # fmt: off
+    return [
         (p.pipeline_parallel_degree == 1, " ".join(_PIPELINE_KEYS),
          "parallelism.pipeline_parallel_degree", "parallelism.pipeline_parallel_degree = 1",
          "set pipeline_parallel_degree > 1"),
@@ -400,6 +409,15 @@ def _check_unused(cfg: JobConfig, problems: Problems) -> None:
         (ac_mode != "selective", "activation_checkpoint.selective_ac_option",
          "activation_checkpoint.mode", f"activation_checkpoint.mode = '{ac_mode}'",
          "set activation_checkpoint.mode = 'selective'"),
+    ]
+    # fmt: on
+
+
+def _checkpoint_rules(cfg: JobConfig) -> list[_Rule]:
+    ck = cfg.checkpoint
+    seed_folder = "" if ck.create_seed_checkpoint else "checkpoint.folder "  # the seed's folder
+    # fmt: off
+    return [
         (not ck.enable, f"{seed_folder}checkpoint.interval checkpoint.keep_latest_k "
          "checkpoint.async_mode checkpoint.model_only checkpoint.export_dtype",
          "checkpoint.enable", "checkpoint.enable = false (nothing is saved)",
@@ -412,6 +430,14 @@ def _check_unused(cfg: JobConfig, problems: Problems) -> None:
         (ck.enable and ck.load_step < 0 and not ck.initial_load_path,
          "checkpoint.initial_load_model_only", "checkpoint.initial_load_path",
          "checkpoint.initial_load_path = ''", "set checkpoint.initial_load_path"),
+    ]
+    # fmt: on
+
+
+def _optimizer_rules(cfg: JobConfig) -> list[_Rule]:
+    lr, opt = cfg.lr_scheduler, cfg.optimizer
+    # fmt: off
+    return [
         (lr.decay_type == "constant", "lr_scheduler.decay_ratio lr_scheduler.min_lr_factor",
          "lr_scheduler.decay_type", "lr_scheduler.decay_type = 'constant'",
          "choose linear, sqrt or cosine"),
@@ -419,47 +445,87 @@ def _check_unused(cfg: JobConfig, problems: Problems) -> None:
          "optimizer.name", "optimizer.name = 'Adam' (no weight decay)", "use 'AdamW'"),
         (opt.name == "AdamW" and opt.weight_decay == 0, "optimizer.no_decay_patterns",
          "optimizer.weight_decay", "optimizer.weight_decay = 0", "set a weight decay"),
+    ]
+    # fmt: on
+
+
+def _observability_rules(cfg: JobConfig) -> list[_Rule]:
+    prof, steps, last = cfg.profiling, _ends_first(cfg), cfg.training.steps
+    # fmt: off
+    return [
         (not cfg.metrics.enable_tensorboard, "metrics.save_tb_folder",
          "metrics.enable_tensorboard", "metrics.enable_tensorboard = false",
          "set metrics.enable_tensorboard = true"),
         (not prof.enable_profiling, "profiling.save_traces_folder profiling.profile_freq "
          "profiling.profiler_warmup profiling.profiler_active", "profiling.enable_profiling",
          "profiling.enable_profiling = false", "set profiling.enable_profiling = true"),
-        (prof.enable_profiling and prof.profile_freq > t.steps,
+        (prof.enable_profiling and prof.profile_freq > last,
          "profiling.enable_profiling profiling.profile_freq", "training.steps",
          f"profiling.profile_freq = {prof.profile_freq} > {steps}", "lower profile_freq"),
         (not prof.enable_memory_snapshot, "profiling.save_memory_snapshot_folder "
          "profiling.memory_snapshot_step", "profiling.enable_memory_snapshot",
          "profiling.enable_memory_snapshot = false",
          "set profiling.enable_memory_snapshot = true"),
-        (prof.enable_memory_snapshot and prof.memory_snapshot_step > t.steps,
+        (prof.enable_memory_snapshot and prof.memory_snapshot_step > last,
          "profiling.memory_snapshot_step", "training.steps", steps, "lower it"),
+    ]
+    # fmt: on
+
+
+def _debug_rules(cfg: JobConfig) -> list[_Rule]:
+    debug, steps, last = cfg.debug, _ends_first(cfg), cfg.training.steps
+    # fmt: off
+    return [
         (not cfg.job.dry_run, "job.simulate_world_size", "job.dry_run", "job.dry_run = false",
          "add --job.dry_run"),
-        (cfg.debug.fail_at_step > t.steps, "debug.fail_at_step", "training.steps", steps,
-         "lower it"),
-        (cfg.debug.hang_at_step > t.steps, "debug.hang_at_step", "training.steps", steps,
-         "lower it"),
-        (cfg.debug.checkpoint_save_delay_step == 0, "debug.checkpoint_save_delay_s",
+        (debug.fail_at_step > last, "debug.fail_at_step", "training.steps", steps, "lower it"),
+        (debug.hang_at_step > last, "debug.hang_at_step", "training.steps", steps, "lower it"),
+        (debug.checkpoint_save_delay_step == 0, "debug.checkpoint_save_delay_s",
          "debug.checkpoint_save_delay_step", "debug.checkpoint_save_delay_step = 0",
          "set the step whose save sleeps"),
-        (not ck.enable, "debug.checkpoint_save_delay_step", "checkpoint.enable",
+        (not cfg.checkpoint.enable, "debug.checkpoint_save_delay_step", "checkpoint.enable",
          "checkpoint.enable = false", "set checkpoint.enable = true"),
     ]
     # fmt: on
-    for when, keys, because, reason, fix in rules:
-        if when:
-            _unused(problems, cfg, keys.split(), because.split(), reason, fix)
-    if not ck.enable:
-        loads = "initial_load_path initial_load_model_only load_step exclude_from_loading"
-        names = _given(cfg, [f"checkpoint.{k}" for k in loads.split()], ["checkpoint.enable"])
-        if names:  # this wording is older than _unused's
-            _add_ignored(
-                problems,
-                names,
-                f"{', '.join(names)} set but checkpoint.enable = false, so nothing would be "
-                "loaded: set checkpoint.enable = true (or drop the option).",
-            )
+
+
+def _check_loads_without_checkpointing(cfg: JobConfig, problems: Problems) -> None:
+    """Load options given with checkpoint.enable = false (this wording is older than
+    _unused's)."""
+    if cfg.checkpoint.enable:
+        return
+    loads = "initial_load_path initial_load_model_only load_step exclude_from_loading"
+    names = _given(cfg, [f"checkpoint.{k}" for k in loads.split()], ["checkpoint.enable"])
+    if names:
+        _add_ignored(
+            problems,
+            names,
+            f"{', '.join(names)} set but checkpoint.enable = false, so nothing would be "
+            "loaded: set checkpoint.enable = true (or drop the option).",
+        )
+
+
+# In this order: it is the order of the numbered errors the user reads.
+_RULES = (
+    _data_rules,
+    _layout_rules,
+    _checkpoint_rules,
+    _optimizer_rules,
+    _observability_rules,
+    _debug_rules,
+)
+
+
+def _check_unused(cfg: JobConfig, problems: Problems) -> None:
+    """Options set by the user that the rest of the config ignores (see _given)."""
+    _check_dataset_path(cfg, problems, "training")
+    if cfg.validation.enable:
+        _check_dataset_path(cfg, problems, "validation")
+    for rules in _RULES:
+        for when, keys, because, reason, fix in rules(cfg):
+            if when:
+                _unused(problems, cfg, keys.split(), because.split(), reason, fix)
+    _check_loads_without_checkpointing(cfg, problems)
 
 
 def check_layout_options(cfg: JobConfig, dp_shard: int, dp: int, problems: Problems) -> None:
