@@ -27,6 +27,8 @@ _V_SCHEDULES = {"ScheduleZBVZeroBubble", "ScheduleDualPipeV"}
 # Schedules that split backward into input- and weight-gradient passes, which torch only
 # supports on uncompiled stage modules.
 _SPLIT_BACKWARD_SCHEDULES = _V_SCHEDULES | {"ScheduleInterleavedZeroBubble"}
+# The prefix of the pipeline options that plan stages, for error messages.
+_KEY = "parallelism.pipeline_parallel"
 
 
 def schedule_class(name: str) -> type:
@@ -77,45 +79,64 @@ def plan_stage_layers(
     single-stage schedules and two per rank for multi-stage ones.
     """
     cls = schedule_class(schedule_name)
-    single = is_single_stage(cls)
-    key = "parallelism.pipeline_parallel"
     if split_points:
-        starts = []
-        for point in split_points:
-            idx = _layer_index(point, layer_prefix)
-            if idx is None or not 0 < idx < n_layers:
-                raise ParallelismError(
-                    f"{key}_split_points: '{point}' is not a layer that can start a stage; use "
-                    f"'{layer_prefix}.N' with 0 < N < n_layers ({n_layers})."
-                )
-            starts.append(idx)
-        if starts != sorted(set(starts)):
-            raise ParallelismError(
-                f"{key}_split_points = {list(split_points)} must be strictly increasing "
-                "(every stage needs at least one layer)."
-            )
-        bounds = [0, *starts, n_layers]
-        stages = [list(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
-        source = f"{key}_split_points ({len(split_points)} points)"
+        stages, source = _stages_at_split_points(n_layers, split_points, layer_prefix)
     else:
-        if layers_per_stage > 0:
-            if n_layers % layers_per_stage:
-                raise ParallelismError(
-                    f"{key}_layers_per_stage = {layers_per_stage} does not divide the model's "
-                    f"{n_layers} layers; pick a divisor or use {key}_split_points."
-                )
-            num_stages = n_layers // layers_per_stage
-            source = f"{key}_layers_per_stage = {layers_per_stage}"
-        else:
-            num_stages = pp if single else 2 * pp
-            source = f"the default for {cls.__name__}"
-        if num_stages > n_layers:
+        stages, source = _even_stages(n_layers, pp, cls, layers_per_stage)
+    _check_stage_count(cls, pp, len(stages), source)
+    return stages
+
+
+def _stages_at_split_points(
+    n_layers: int, split_points: Sequence[str], layer_prefix: str
+) -> tuple[list[list[int]], str]:
+    """The stages that start at each split point, and how the plan was asked for."""
+    starts = []
+    for point in split_points:
+        idx = _layer_index(point, layer_prefix)
+        if idx is None or not 0 < idx < n_layers:
             raise ParallelismError(
-                f"{source} asks for {num_stages} stages but the model has only {n_layers} "
-                f"layers; lower pipeline_parallel_degree ({pp}) or use a single-stage schedule."
+                f"{_KEY}_split_points: '{point}' is not a layer that can start a stage; use "
+                f"'{layer_prefix}.N' with 0 < N < n_layers ({n_layers})."
             )
-        stages = _even_split(n_layers, num_stages)
-    num_stages = len(stages)
+        starts.append(idx)
+    if starts != sorted(set(starts)):
+        raise ParallelismError(
+            f"{_KEY}_split_points = {list(split_points)} must be strictly increasing "
+            "(every stage needs at least one layer)."
+        )
+    bounds = [0, *starts, n_layers]
+    stages = [list(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
+    return stages, f"{_KEY}_split_points ({len(split_points)} points)"
+
+
+def _even_stages(
+    n_layers: int, pp: int, cls: type, layers_per_stage: int
+) -> tuple[list[list[int]], str]:
+    """Layers spread evenly over `layers_per_stage`'s stage count, or the schedule's default
+    one (single-stage: one per rank, else two); and how the plan was asked for."""
+    if layers_per_stage > 0:
+        if n_layers % layers_per_stage:
+            raise ParallelismError(
+                f"{_KEY}_layers_per_stage = {layers_per_stage} does not divide the model's "
+                f"{n_layers} layers; pick a divisor or use {_KEY}_split_points."
+            )
+        num_stages = n_layers // layers_per_stage
+        source = f"{_KEY}_layers_per_stage = {layers_per_stage}"
+    else:
+        num_stages = pp if is_single_stage(cls) else 2 * pp
+        source = f"the default for {cls.__name__}"
+    if num_stages > n_layers:
+        raise ParallelismError(
+            f"{source} asks for {num_stages} stages but the model has only {n_layers} "
+            f"layers; lower pipeline_parallel_degree ({pp}) or use a single-stage schedule."
+        )
+    return _even_split(n_layers, num_stages), source
+
+
+def _check_stage_count(cls: type, pp: int, num_stages: int, source: str) -> None:
+    """Raises unless `cls` can run `num_stages` stages on `pp` ranks."""
+    single = is_single_stage(cls)
     if single and num_stages != pp:
         raise ParallelismError(
             f"{cls.__name__} runs one stage per rank, so it needs exactly {pp} stages "
@@ -132,7 +153,6 @@ def plan_stage_layers(
             f"{cls.__name__} needs exactly two stages per rank ({2 * pp} stages), but {source} "
             f"gives {num_stages}."
         )
-    return stages
 
 
 def _even_split(n_layers: int, num_stages: int) -> list[list[int]]:
