@@ -44,21 +44,24 @@ def tracker_for(model, optimizer):
 
 def breakdown(cfg, world_size: int, local_rank: int) -> dict:
     """One warm-up and one tracked step of cfg's layout; this rank's peak by kind (bytes)."""
-    import torch
-
-    from models import model_args_for
     from train import check_config
-    from training.loss import cross_entropy_sum
-    from training.optimizer import build_optimizer
-    from training.step import StepSetup, clip_grad_norm_, train_step
-    from training.trainer import (
-        build_model_parts,
-        layout_forward_contexts,
-        load_tokenizer,
-        start_runtime,
-    )
+    from training.trainer import start_runtime
 
     dims = check_config(cfg, world_size)
+    check_supported(cfg, dims)
+    device = start_runtime(cfg, dims, local_rank)
+    step, parts, optimizer = training_step(cfg, dims, device)
+    step()  # the warm-up: allocates the optimizer state
+    tracker = tracker_for(parts[0], optimizer)
+    with tracker:
+        step()
+    peak = tracker.get_tracker_snapshot("peak")[device]
+    kinds = {getattr(k, "value", str(k)): int(v) for k, v in peak.items() if v}
+    return {"kinds": kinds}
+
+
+def check_supported(cfg, dims) -> None:
+    """Exits on a layout the tracker cannot follow (see the module's limits)."""
     t = cfg.training
     if dims.pp_enabled:
         raise SystemExit("memory_breakdown: pipeline parallel layouts are not supported")
@@ -66,7 +69,20 @@ def breakdown(cfg, world_size: int, local_rank: int) -> dict:
         raise SystemExit("memory_breakdown: gradient accumulation is not supported")
     if cfg.compile.enable:
         raise SystemExit("memory_breakdown: compiled kernels are not tracked; drop --compile")
-    device = start_runtime(cfg, dims, local_rank)
+
+
+def training_step(cfg, dims, device):
+    """The layout's model parts and optimizer as train.py builds them, and a function that runs
+    one optimizer step of them on one batch of random tokens: (step, model parts, optimizer)."""
+    import torch
+
+    from models import model_args_for
+    from training.loss import cross_entropy_sum
+    from training.optimizer import build_optimizer
+    from training.step import StepSetup, clip_grad_norm_, train_step
+    from training.trainer import build_model_parts, layout_forward_contexts, load_tokenizer
+
+    t = cfg.training
     model_args = model_args_for(cfg.model, t.seq_len, load_tokenizer(cfg).vocab_size)
     tokens = t.local_batch_size * t.seq_len
 
@@ -98,13 +114,7 @@ def breakdown(cfg, world_size: int, local_rank: int) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    step()
-    tracker = tracker_for(parts[0], optimizer)
-    with tracker:
-        step()
-    peak = tracker.get_tracker_snapshot("peak")[device]
-    kinds = {getattr(k, "value", str(k)): int(v) for k, v in peak.items() if v}
-    return {"kinds": kinds}
+    return step, parts, optimizer
 
 
 def format_table(per_rank: list[dict], title: str) -> str:
