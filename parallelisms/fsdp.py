@@ -82,37 +82,45 @@ def apply_fsdp(
     if cpu_offload:
         # Pinned host memory makes the host<->GPU copies async; it needs an accelerator.
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=pin_memory)
-    default = reshard_after_forward == "default"
-    always = reshard_after_forward == "always"
     blocks = [u for u in units if u.role == "block"]
+    last_block = blocks[-1] if blocks else None
     for unit in units:
         modules = unit.modules if len(unit.modules) > 1 else unit.modules[0]
-        if unit.role == "input":
-            # Used first in forward and last in backward: freed after forward, so a large
-            # vocabulary is not held gathered through the whole step.
-            fully_shard(modules, reshard_after_forward=always or (default and not pp_enabled),
-                        **kwargs)  # fmt: skip
-            if all(isinstance(m, nn.Embedding) for m in unit.modules):
-                # An embedding's backward needs the indices and the output gradient, not the
-                # weight: never gathered again (its gradient is reduce-scattered at the end of
-                # backward). nn.Embedding returns a view of its gather; FSDP2 warns that an
-                # in-place op on it would skip the pre-backward all-gather. The blocks only add
-                # to it out of place (the parity tests check the gradients), so the warning
-                # would be noise in every log.
-                warnings.filterwarnings(
-                    "ignore", message=r"FSDP2-wrapped module \(FSDP\w+\) returned a view tensor"
-                )
-                for m in unit.modules:
-                    m.set_unshard_in_backward(False)
-        elif unit.role == "block":
-            last = unit is blocks[-1]
-            fully_shard(modules, reshard_after_forward=always or (default and not pp_enabled
-                        and not last), **kwargs)  # fmt: skip
-        else:
-            # Used last in forward and first in backward: kept gathered between the two (no
-            # re-gather), freed after its backward.
-            fully_shard(modules, reshard_after_forward=always, **kwargs)
+        is_last = unit is last_block
+        reshard = _reshard_unit(unit.role, is_last, reshard_after_forward, pp_enabled)
+        fully_shard(modules, reshard_after_forward=reshard, **kwargs)
+        if unit.role == "input" and all(isinstance(m, nn.Embedding) for m in unit.modules):
+            _no_regather_in_backward(unit.modules)
     # The root holds no parameters of its own now; it runs FSDP's lazy init and waits for the
     # last reduce-scatters at the end of backward.
-    fully_shard(model, reshard_after_forward=always, **kwargs)
+    fully_shard(model, reshard_after_forward=reshard_after_forward == "always", **kwargs)
     return model
+
+
+def _reshard_unit(role: str, last_block: bool, mode: str, pp_enabled: bool) -> bool:
+    """Whether a unit frees its gathered parameters after forward under `mode` (see
+    apply_fsdp's `reshard_after_forward`)."""
+    always = mode == "always"
+    default = mode == "default" and not pp_enabled
+    if role == "input":
+        # Used first in forward and last in backward: freed after forward, so a large
+        # vocabulary is not held gathered through the whole step.
+        return always or default
+    if role == "block":
+        return always or (default and not last_block)
+    # Output: used last in forward and first in backward, so kept gathered between the two
+    # (no re-gather), freed after its backward.
+    return always
+
+
+def _no_regather_in_backward(embeddings: list[nn.Module]) -> None:
+    """An embedding's backward needs the indices and the output gradient, not the weight: never
+    gathered again (its gradient is reduce-scattered at the end of backward). nn.Embedding
+    returns a view of its gather; FSDP2 warns that an in-place op on it would skip the
+    pre-backward all-gather. The blocks only add to it out of place (the parity tests check the
+    gradients), so the warning would be noise in every log."""
+    warnings.filterwarnings(
+        "ignore", message=r"FSDP2-wrapped module \(FSDP\w+\) returned a view tensor"
+    )
+    for m in embeddings:
+        m.set_unshard_in_backward(False)
