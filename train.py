@@ -173,36 +173,45 @@ class StopFlag:
         return bool(flag.item())
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if "--help" in argv or "-h" in argv:
-        print(help_text())
-        return 0
-    try:
-        cfg = parse_args(argv, check=False)  # checked below, with the layout: one message
-        try:  # before any check: it may register the model family the config names
-            import_families(cfg.job.custom_import)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        if cfg.job.dry_run:  # the layout is for the real cluster, not this process
-            validate(cfg)
-            dry_run(cfg)
-            return 0
-        rank, local_rank, world_size = launch_env()
-        if cfg.checkpoint.create_seed_checkpoint:  # one CPU process, whatever the layout
-            from checkpoint.seed import create_seed_checkpoint
+@dataclass
+class Launch:
+    """A checked config and this process's place in the job: what training starts from."""
 
-            validate(cfg)
-            setup_logging(cfg.job.dump_folder, rank)
-            create_seed_checkpoint(cfg, world_size)
-            return 0
-        parallel_dims = check_config(cfg, world_size)
-        check_data_files(cfg)  # here, not in check_config: dry runs plan without the data
-        pick_device(cfg.training.device, local_rank)  # no GPU, or more ranks than GPUs
-    except (ConfigError, ParallelismError, LaunchError, CheckpointError) as e:
-        print(f"meshtrain: error: {e}", file=sys.stderr)
-        return 2
-    setup_logging(cfg.job.dump_folder, rank)
+    cfg: JobConfig
+    parallel_dims: ParallelDims
+    rank: int
+    local_rank: int
+
+
+def prepare(argv: list[str]) -> Launch | None:
+    """Parses and checks the command line and the launch; None when it asked for a one-process
+    command (dry run, seed checkpoint), which has then run."""
+    cfg = parse_args(argv, check=False)  # checked below, with the layout: one message
+    try:  # before any check: it may register the model family the config names
+        import_families(cfg.job.custom_import)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.job.dry_run:  # the layout is for the real cluster, not this process
+        validate(cfg)
+        dry_run(cfg)
+        return None
+    rank, local_rank, world_size = launch_env()
+    if cfg.checkpoint.create_seed_checkpoint:  # one CPU process, whatever the layout
+        from checkpoint.seed import create_seed_checkpoint
+
+        validate(cfg)
+        setup_logging(cfg.job.dump_folder, rank)
+        create_seed_checkpoint(cfg, world_size)
+        return None
+    parallel_dims = check_config(cfg, world_size)
+    check_data_files(cfg)  # here, not in check_config: dry runs plan without the data
+    pick_device(cfg.training.device, local_rank)  # no GPU, or more ranks than GPUs
+    return Launch(cfg, parallel_dims, rank, local_rank)
+
+
+def log_job(cfg: JobConfig, rank: int) -> None:
+    """The resolved config (rank 0 also writes it to <dump_folder>/config.toml), its notes
+    and the job's description."""
     if rank == 0:
         text = config_to_toml(cfg)
         Path(cfg.job.dump_folder, "config.toml").write_text(text)
@@ -212,16 +221,22 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.job.description:
         logger.info("job: %s", cfg.job.description)
 
-    from training.trainer import (  # heavy imports after the checks
-        NonFiniteError,
-        StepError,
-        run_training,
-    )
+
+def run_job(launch: Launch) -> int:
+    """Runs the training with signals installed; the exit code."""
+    from training.loop import NonFiniteError, StepError  # heavy imports after the checks
+    from training.trainer import run_training
 
     stop = StopFlag()
     stop.install()
     try:
-        run_training(cfg, parallel_dims, rank=rank, local_rank=local_rank, stop=stop)
+        run_training(
+            launch.cfg,
+            launch.parallel_dims,
+            rank=launch.rank,
+            local_rank=launch.local_rank,
+            stop=stop,
+        )
     except (NonFiniteError, CheckpointError) as e:
         logger.error("%s", e)
         return 1
@@ -238,6 +253,23 @@ def main(argv: list[str] | None = None) -> int:
         for h in logger.handlers:
             h.flush()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--help" in argv or "-h" in argv:
+        print(help_text())
+        return 0
+    try:
+        launch = prepare(argv)
+    except (ConfigError, ParallelismError, LaunchError, CheckpointError) as e:
+        print(f"meshtrain: error: {e}", file=sys.stderr)
+        return 2
+    if launch is None:
+        return 0
+    setup_logging(launch.cfg.job.dump_folder, launch.rank)
+    log_job(launch.cfg, launch.rank)
+    return run_job(launch)
 
 
 if __name__ == "__main__":

@@ -100,7 +100,8 @@ MUTANTS = [
         "loss divided by the micro-batch's tokens instead of the optimizer step's",
         "training/trainer.py",
         "return token_loss_sum(logits, labels) / tokens_per_rank_step",
-        "return token_loss_sum(logits, labels) / (t.local_batch_size * t.seq_len)",
+        "return token_loss_sum(logits, labels) / (cfg.training.local_batch_size * "
+        "cfg.training.seq_len)",
         (f"{PARITY}[zero2_2_accum_ac_sel2]",),
     ),
     Mutant(

@@ -182,3 +182,103 @@ def test_process_group_backend_adds_gloo_for_offloaded_cuda_runs():
     # one GPU exchanges nothing between GPUs: no NCCL communicator to set up
     assert process_group_backend("cuda", 1) == "gloo"
     assert process_group_backend("cuda", 1, True) == "gloo"
+
+
+def test_non_finite_watch_keeps_the_first_bad_step_of_a_loss_holding_rank():
+    from training.loop import NonFiniteError, NonFiniteWatch
+
+    one, nan, inf = torch.tensor(1.0), torch.tensor(float("nan")), torch.tensor(float("inf"))
+    watch = NonFiniteWatch(torch.device("cpu"))
+    watch.note(1, one, one, has_loss=True)
+    watch.note(2, nan, one, has_loss=False)  # a pipeline stage before the last: no loss
+    watch.check("; unused")  # nothing non-finite yet: no error
+    watch.note(3, one, inf, has_loss=False)
+    watch.note(4, nan, one, has_loss=True)
+    expected = r"^non-finite loss or gradient norm at step 3; not saving a checkpoint\.$"
+    with pytest.raises(NonFiniteError, match=expected):
+        watch.check("; not saving a checkpoint.")
+
+
+def test_log_window_record_averages_the_steps_since_the_last_log(tmp_path):
+    import json
+    from types import SimpleNamespace
+
+    from metrics import MetricsLogger
+    from training.loop import LogWindow, TrainState, log_window
+    from training.profiling import PhaseTimer
+
+    cfg = parse_args(["--compile.enable", "false"])
+    metrics = MetricsLogger(str(tmp_path), 0, enable_tensorboard=False, console=False)
+    run = SimpleNamespace(
+        cfg=cfg,
+        device=torch.device("cpu"),
+        parallel_dims=SimpleNamespace(world_size=4),
+        state=TrainState(step=7, tokens_seen=1000),
+        first_step=1,
+        loss_replicas=1,
+        tokens_per_step=800,  # 200 tokens per device and step
+        flops_per_token=1e9,
+        peak_flops=1e12,
+        phases=PhaseTimer(torch.device("cpu")),
+        metrics=metrics,
+        window=LogWindow(),
+    )
+    run.window.add(3.0, 0.5)
+    run.window.add(1.0, 0.25)
+    record = log_window(run, torch.tensor(2.5), torch.tensor(0.75), 1e-3)
+    metrics.close()
+    assert (record["loss"], record["grad_norm"], record["lr"]) == (2.5, 0.75, 1e-3)
+    assert record["step_time_s"] == 2.0 and record["data_time_s"] == 0.375
+    assert record["tokens_per_sec"] == 100.0  # 2 x 200 tokens in 4 s
+    assert record["mfu"] == pytest.approx(10.0) and record["tokens_seen"] == 1000
+    assert "compile_time_s" not in record and run.window == LogWindow()
+    (written,) = [
+        json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert written["step"] == 7 and written["kind"] == "train" and written["loss"] == 2.5
+
+
+def test_close_run_keeps_the_training_error_when_the_checkpointer_fails_to_close(caplog):
+    from types import SimpleNamespace
+
+    from training.loop import close_run
+
+    closed = []
+
+    def closer(name, error=None):
+        def close():
+            closed.append(name)
+            if error is not None:
+                raise error
+
+        return SimpleNamespace(close=close)
+
+    def run(checkpoint_error):
+        return SimpleNamespace(
+            profiler=closer("profiler"),
+            snapshot=closer("snapshot"),
+            checkpointer=closer("checkpointer", checkpoint_error),
+            metrics=closer("metrics"),
+        )
+
+    with caplog.at_level("ERROR", logger="meshtrain"):
+        close_run(run(OSError("disk gone")), failed=True)
+    assert closed == ["profiler", "snapshot", "checkpointer", "metrics"]
+    assert "checkpoint: closing after the error also failed: disk gone" in caplog.text
+    with pytest.raises(OSError, match="disk gone"):  # no training error to keep: this one
+        close_run(run(OSError("disk gone")), failed=False)
+
+
+def test_step_error_names_rank_step_and_the_timeout_setting():
+    from types import SimpleNamespace
+
+    from training.loop import TrainState, step_error
+
+    cfg = parse_args(["--comm.train_timeout_seconds", "42"])
+    run = SimpleNamespace(rank=1, state=TrainState(step=5), cfg=cfg)
+    assert str(step_error(run, ValueError("bad shape"))) == (
+        "rank 1 failed at step 5: ValueError: bad shape"
+    )
+    assert str(step_error(run, RuntimeError("Socket Timeout"))) == (
+        "rank 1 failed at step 5: RuntimeError: Socket Timeout (comm.train_timeout_seconds = 42)"
+    )

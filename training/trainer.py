@@ -1,32 +1,28 @@
-"""Builds a run from a validated config and drives the training loop."""
+"""Builds a run from a validated config (`build_run`, from named pieces) and runs it:
+`run_training` = build, `training.loop.train_loop`, teardown."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import logging
-import math
-import os
-import signal
 import sys
-import time
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
 from data.dataloader import build_dataloader
 from data.sample_corpus import default_cache_dir
 from data.tokenizer import build_tokenizer
 from job_config import JobConfig
-from metrics import MetricsLogger, count_params, device_peak_flops, flops_per_token, throughput
-from metrics.memory import peak_memory_gib, process_rss_gib, reset_peak_memory
+from metrics import MetricsLogger, count_params, device_peak_flops, flops_per_token
+from metrics.memory import process_rss_gib
 from models import get_model_spec, model_args_for
 from parallelisms.compile import maybe_compile_loss
 from parallelisms.init_weights import materialize
 from parallelisms.layout_record import built_layout, summarize, write_layout
-from parallelisms.memory_report import memory_report
 from parallelisms.mixed_precision import mixed_precision_dtypes
 from parallelisms.parallel_dims import ParallelDims, log_mesh
 from training.distributed import (
@@ -35,75 +31,43 @@ from training.distributed import (
     seed_everything,
     set_collective_timeout,
 )
+from training.loop import (
+    NonFiniteError,
+    Run,
+    StepError,
+    TrainState,
+    close_run,
+    step_error,
+    train_loop,
+)
 from training.loss import cross_entropy_sum
 from training.optimizer import build_lr_scheduler, build_optimizer
 from training.profiling import MemorySnapshot, PhaseTimer, Profiler
-from training.step import StepSetup, clip_grad_norm_, global_mean, train_step
-from training.validate import evaluate
+from training.step import StepSetup
 
 logger = logging.getLogger("meshtrain")
-
-
-class NonFiniteError(RuntimeError):
-    """The loss or gradient norm became NaN/inf; the run stops without saving."""
-
-
-class StepError(RuntimeError):
-    """Any failure inside the training loop, re-raised with the rank and step it happened at
-    (a collective timeout then says which rank gave up at which step)."""
-
-
-def _maybe_inject_failure(cfg: JobConfig, step: int, rank: int, world_size: int) -> None:
-    """`debug.fail_at_step` / `debug.hang_at_step`: the last rank fails, or stops answering,
-    at that step on torchrun's first attempt."""
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if rank != world_size - 1 or attempt != 0:
-        return
-    if cfg.debug.hang_at_step == step:
-        logger.warning("debug.hang_at_step: rank %d hangs at step %d", rank, step)
-        signal.signal(signal.SIGTERM, lambda *_: os._exit(1))  # torchrun's teardown
-        time.sleep(3600)
-    if cfg.debug.fail_at_step == step:
-        raise RuntimeError(
-            f"debug.fail_at_step = {step}: injected failure (first attempt only; "
-            "TORCHELASTIC_RESTART_COUNT = 0)"
-        )
-
-
-def _save_on_stop(checkpointer, step: int) -> None:
-    """A checkpoint at the step where a stop request (SIGTERM, SLURM preemption) was agreed,
-    unless this step's regular save already wrote one."""
-    if checkpointer is not None and not checkpointer.due(step):
-        checkpointer.save(step)
-
-
-@dataclass
-class TrainState:
-    """Progress that a checkpoint must carry besides model/optimizer/data state."""
-
-    step: int = 0
-    tokens_seen: int = 0
-
-    def state_dict(self) -> dict:
-        return {"step": self.step, "tokens_seen": self.tokens_seen}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step = int(state["step"])
-        self.tokens_seen = int(state["tokens_seen"])
 
 
 def load_tokenizer(cfg: JobConfig):
     return build_tokenizer(cfg.model.tokenizer_path)
 
 
-def build_model_parts(cfg, parallel_dims, model_args, device, loss_fn):
+def meta_model(cfg: JobConfig, model_args) -> nn.Module:
+    """The whole model on the meta device: shapes only, nothing allocated."""
+    with torch.device("meta"):
+        return get_model_spec(cfg.model.name).model_cls(model_args)
+
+
+def build_model_parts(cfg, parallel_dims, model_args, device, loss_fn, model=None):
     """Model on meta -> (pipeline split) -> parallelize -> materialise -> re-tie -> init.
+    `model`: the whole meta model when the caller built it already (to count its parameters
+    before the split and sharding); it is then split or parallelized in place.
 
     Returns (model_parts, pp_schedule, has_first_stage, has_last_stage).
     """
     spec = get_model_spec(cfg.model.name)
-    with torch.device("meta"):
-        model = spec.model_cls(model_args)
+    if model is None:
+        model = meta_model(cfg, model_args)
     if parallel_dims.pp_enabled:
         model_parts, schedule, first, last = spec.pipeline_fn(
             model, parallel_dims, cfg, device, loss_fn
@@ -153,38 +117,50 @@ def start_runtime(cfg: JobConfig, parallel_dims: ParallelDims, local_rank: int) 
     return device
 
 
-def run_training(
-    cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, local_rank: int, stop
-) -> TrainState:
-    t = cfg.training
-    device = start_runtime(cfg, parallel_dims, local_rank)
-    log_mesh(parallel_dims)
-    dp_rank, dp_degree = parallel_dims.coordinate("dp")
+class BatchSizes(NamedTuple):
+    global_batch: int  # sequences per optimizer step over all DP ranks
+    accum_steps: int  # micro-batches per optimizer step
+    tokens_per_rank_step: int  # tokens one rank sees per optimizer step
 
-    tokenizer = load_tokenizer(cfg)
-    model_args = model_args_for(cfg.model, t.seq_len, tokenizer.vocab_size)
+
+def batch_sizes(cfg: JobConfig, dp_degree: int) -> BatchSizes:
+    t = cfg.training
     global_batch = (
         t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dp_degree
     )
     accum_steps = global_batch // (t.local_batch_size * dp_degree)
-    tokens_per_rank_step = t.local_batch_size * t.seq_len * accum_steps
+    return BatchSizes(global_batch, accum_steps, t.local_batch_size * t.seq_len * accum_steps)
 
+
+def step_loss_fn(cfg: JobConfig, tokens_per_rank_step: int):
+    """The loss `train_step` backpropagates: the token-loss sum over this rank's tokens per
+    optimizer step (see `StepSetup.loss_fn`)."""
     token_loss_sum = maybe_compile_loss(cross_entropy_sum, cfg.compile)
 
     def step_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return token_loss_sum(logits, labels) / tokens_per_rank_step
 
-    rss_before_model = process_rss_gib() if device.type == "cpu" else None
-    model_parts, schedule, first, last = build_model_parts(
-        cfg, parallel_dims, model_args, device, step_loss
-    )
-    layout = built_layout(model_parts, parallel_dims, schedule)
+    return step_loss
+
+
+def build_model(cfg, parallel_dims, model_args, device, loss_fn, rank):
+    """This rank's model parts (see `build_model_parts`), with the layout they make logged
+    and written; and the whole model's parameter counts, all and without the embedding, taken
+    from the meta model before the pipeline split or sharding leaves a rank only its part."""
+    model = meta_model(cfg, model_args)
+    n_params, n_no_emb = count_params(model), count_params(model, exclude_embedding=True)
+    built = build_model_parts(cfg, parallel_dims, model_args, device, loss_fn, model=model)
+    layout = built_layout(built[0], parallel_dims, built[1])
     if rank == 0:
         write_layout(cfg.job.dump_folder, layout)
     logger.info(summarize(layout))
-    with torch.device("meta"):  # the whole model, also when this rank holds one PP stage
-        whole = get_model_spec(cfg.model.name).model_cls(model_args)
-    n_params, n_no_emb = count_params(whole), count_params(whole, exclude_embedding=True)
+    return built, n_params, n_no_emb
+
+
+def model_rates(cfg, model_args, n_params, n_no_emb, device, batches, dp_degree):
+    """(FLOPs per token, device peak FLOP/s) for the MFU, logged with the model's size and
+    the batch."""
+    t = cfg.training
     fpt = flops_per_token(
         n_no_emb, model_args.n_layers, model_args.n_heads, model_args.head_dim, t.seq_len
     )
@@ -197,14 +173,18 @@ def run_training(
         cfg.model.flavor,
         f"{n_params:,}",
         fpt / 1e9,
-        global_batch,
+        batches.global_batch,
         t.local_batch_size,
         dp_degree,
-        accum_steps,
+        batches.accum_steps,
         peak / 1e12,
         peak_src,
     )
+    return fpt, peak
 
+
+def warn_if_warmup_too_long(cfg: JobConfig) -> None:
+    t = cfg.training
     if cfg.lr_scheduler.warmup_steps >= t.steps:
         logger.warning(
             "lr_scheduler.warmup_steps = %d is not below training.steps = %d: the LR never "
@@ -214,6 +194,10 @@ def run_training(
             cfg.optimizer.lr,
         )
 
+
+def build_loaders(cfg: JobConfig, tokenizer, dp_rank: int, dp_degree: int):
+    """(training loader, validation loader or None) of this DP rank's slice."""
+    t = cfg.training
     loader = functools.partial(
         build_dataloader,
         tokenizer=tokenizer,
@@ -225,38 +209,44 @@ def run_training(
         cache_dir=default_cache_dir(),
     )
     train_loader = loader(dataset=t.dataset, dataset_path=t.dataset_path, split="train")
-    val_loader = None
-    if cfg.validation.enable:
-        v = cfg.validation
-        val_loader = loader(
-            dataset=v.dataset or t.dataset,
-            dataset_path=v.dataset_path or t.dataset_path,
-            split="validation",
-            infinite=False,
-        )
+    if not cfg.validation.enable:
+        return train_loader, None
+    v = cfg.validation
+    val_loader = loader(
+        dataset=v.dataset or t.dataset,
+        dataset_path=v.dataset_path or t.dataset_path,
+        split="validation",
+        infinite=False,
+    )
+    return train_loader, val_loader
 
-    optimizer = build_optimizer(model_parts, cfg.optimizer, device.type)
-    lr_scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
-    state = TrainState()
-    checkpointer = None
-    if cfg.checkpoint.enable:
-        from checkpoint.manager import CheckpointManager
 
-        checkpointer = CheckpointManager(
-            cfg,
-            model_parts=model_parts,
-            optimizer=optimizer,
-            lr_scheduler=lr_scheduler,
-            dataloader=train_loader,
-            train_state=state,
-            parallel_dims=parallel_dims,
-        )
-        checkpointer.load()
+def build_checkpointer(cfg, parallel_dims, model_parts, optimizer, lr_scheduler, loader, state):
+    """The checkpoint manager, with the latest checkpoint (if any) loaded; None if disabled."""
+    if not cfg.checkpoint.enable:
+        return None
+    from checkpoint.manager import CheckpointManager
 
-    loss_context, autocast = layout_forward_contexts(cfg, parallel_dims, device.type)
-    setup = StepSetup(
+    checkpointer = CheckpointManager(
+        cfg,
         model_parts=model_parts,
-        loss_fn=step_loss,
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+        dataloader=loader,
+        train_state=state,
+        parallel_dims=parallel_dims,
+    )
+    checkpointer.load()
+    return checkpointer
+
+
+def build_step_setup(cfg, parallel_dims, device, built, loss_fn, tokens_per_rank_step):
+    """`StepSetup` for the model `build_model_parts` built (`built`)."""
+    model_parts, schedule, first, last = built
+    loss_context, autocast = layout_forward_contexts(cfg, parallel_dims, device.type)
+    return StepSetup(
+        model_parts=model_parts,
+        loss_fn=loss_fn,
         tokens_per_rank_step=tokens_per_rank_step,
         pp_schedule=schedule,
         pp_first_stage=first,
@@ -264,9 +254,11 @@ def run_training(
         loss_context=loss_context,
         autocast=autocast,
     )
-    params = [p for part in model_parts for p in part.parameters()]
-    pp_group = parallel_dims.dim("pp").get_group() if parallel_dims.pp_enabled else None
-    loss_replicas = parallel_dims.world_size // parallel_dims.pp  # ranks per loss value x DP
+
+
+def build_observers(cfg: JobConfig, rank: int, device: torch.device, start_step: int):
+    """(metrics logger, profiler, memory snapshot, phase timer); the profiler's summaries go
+    to the metrics as `profile` records."""
     metrics = MetricsLogger(
         cfg.job.dump_folder,
         rank,
@@ -274,145 +266,85 @@ def run_training(
         enable_tensorboard=cfg.metrics.enable_tensorboard,
         tb_folder=cfg.metrics.save_tb_folder,
     )
-    set_collective_timeout(cfg.comm.train_timeout_seconds)
     profiler = Profiler(
         cfg.profiling,
         cfg.job.dump_folder,
         rank,
         device.type,
-        start_step=state.step,
+        start_step=start_step,
         on_summary=lambda step, summary: metrics.log(step, summary, kind="profile"),
     )
     snapshot = MemorySnapshot(cfg.profiling, cfg.job.dump_folder, rank, device.type)
-    phases = PhaseTimer(device)
-    data_iter = iter(train_loader)
-    first_bad = torch.full((), -1, dtype=torch.long, device=device)
-    tokens_per_device_step = global_batch * t.seq_len / parallel_dims.world_size
-    window = {"steps": 0, "time": 0.0, "data": 0.0}
-    reset_peak_memory(device)
-    logger.info("training from step %d to %d", state.step + 1, t.steps)
-    first_step = state.step + 1  # its time includes compilation when compile is on
-    try:
-        while state.step < t.steps:
-            state.step += 1
-            t0 = time.perf_counter()
-            micro = []
-            for _ in range(accum_steps):
-                inputs, labels = next(data_iter)
-                micro.append(
-                    (inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True))
-                )
-            t_data = time.perf_counter() - t0
-            _maybe_inject_failure(cfg, state.step, rank, parallel_dims.world_size)
-            phases.start()
-            try:
-                loss = train_step(setup, micro)
-            except torch.OutOfMemoryError:
-                snapshot.on_oom(state.step)
-                raise
-            phases.mark("forward_backward")
-            grad_norm = clip_grad_norm_(params, t.max_norm, pp_group)
-            optimizer.step()  # waits first for an async save's copy (the checkpointer's hook)
-            if state.step == first_step:  # grads and optimizer state both exist only now
-                held = memory_report(model_parts, optimizer)
-                logger.info("memory after step %d: %s", state.step, held)
-                record = held.as_metrics()
-                if rss_before_model is not None:  # CPU: peak RSS minus this = the run's own
-                    record["rss_before_model_gib"] = rss_before_model
-                metrics.log(state.step, record, kind="memory")
-            step_lr = lr_scheduler.get_last_lr()[0]  # the LR this step used
-            lr_scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            phases.mark("optimizer")
-            profiler.step()
-            snapshot.step(state.step)
-            bad = ~torch.isfinite(grad_norm) | (~torch.isfinite(loss) if last else False)
-            first_bad = torch.where(bad & (first_bad < 0), state.step, first_bad)
-            state.tokens_seen += global_batch * t.seq_len
-            log_now = state.step % cfg.metrics.log_freq == 0 or state.step in (first_step, t.steps)
-            if log_now and device.type == "cuda":  # queued kernels belong to this window
-                torch.cuda.synchronize(device)
-            window["steps"] += 1
-            window["time"] += time.perf_counter() - t0
-            window["data"] += t_data
+    return metrics, profiler, snapshot, PhaseTimer(device)
 
-            if log_now:
-                global_loss = global_mean(loss, loss_replicas)
-                rates = throughput(
-                    int(tokens_per_device_step * window["steps"]), window["time"], fpt, peak
-                )
-                record = {
-                    "loss": global_loss,
-                    "grad_norm": grad_norm.item(),
-                    "lr": step_lr,
-                    **rates,
-                    "memory_gib": peak_memory_gib(device),
-                    "step_time_s": window["time"] / window["steps"],
-                    "data_time_s": window["data"] / window["steps"],
-                    **{f"{k}_time_s": v for k, v in phases.pop().items()},
-                    "tokens_seen": state.tokens_seen,
-                }
-                if cfg.compile.enable and state.step == first_step:
-                    record["compile_time_s"] = record["step_time_s"]  # not a steady-state step
-                metrics.log(state.step, record)
-                window = {"steps": 0, "time": 0.0, "data": 0.0}
-                bad_step = _first_bad_step(first_bad)
-                if bad_step >= 0:
-                    raise NonFiniteError(
-                        f"non-finite loss or gradient norm at step {bad_step} (loss "
-                        f"{global_loss}, grad_norm {record['grad_norm']}); stopping without "
-                        "saving. Lower optimizer.lr, check the data, or raise warmup."
-                    )
-            if val_loader is not None and state.step % cfg.validation.freq == 0:
-                val_loss = evaluate(setup, val_loader, cfg.validation.steps, device)
-                metrics.log(
-                    state.step,
-                    {"loss": val_loss, "perplexity": math.exp(min(val_loss, 50.0))},
-                    kind="validation",
-                )
-            if checkpointer is not None:
-                bad_step = _first_bad_step(first_bad) if checkpointer.due(state.step) else -1
-                if bad_step >= 0:
-                    raise NonFiniteError(
-                        f"non-finite loss or gradient norm at step {bad_step}; "
-                        "not saving a checkpoint."
-                    )
-                checkpointer.maybe_save(state.step)
-            if log_now and stop.agreed(device):
-                logger.info("stopping at step %d on request", state.step)
-                _save_on_stop(checkpointer, state.step)
-                break
+
+def build_run(cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, local_rank: int) -> Run:
+    """Runtime, data, model, optimizer, schedule, checkpoint (resumed), step setup and
+    observers, in that order."""
+    t = cfg.training
+    device = start_runtime(cfg, parallel_dims, local_rank)
+    log_mesh(parallel_dims)
+    dp_rank, dp_degree = parallel_dims.coordinate("dp")
+    tokenizer = load_tokenizer(cfg)
+    model_args = model_args_for(cfg.model, t.seq_len, tokenizer.vocab_size)
+    batches = batch_sizes(cfg, dp_degree)
+    step_loss = step_loss_fn(cfg, batches.tokens_per_rank_step)
+    rss_before_model = process_rss_gib() if device.type == "cpu" else None
+    built, n_params, n_no_emb = build_model(cfg, parallel_dims, model_args, device, step_loss, rank)
+    fpt, peak = model_rates(cfg, model_args, n_params, n_no_emb, device, batches, dp_degree)
+    warn_if_warmup_too_long(cfg)
+    train_loader, val_loader = build_loaders(cfg, tokenizer, dp_rank, dp_degree)
+    model_parts = built[0]
+    optimizer = build_optimizer(model_parts, cfg.optimizer, device.type)
+    lr_scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
+    state = TrainState()
+    checkpointer = build_checkpointer(
+        cfg, parallel_dims, model_parts, optimizer, lr_scheduler, train_loader, state
+    )
+    setup = build_step_setup(
+        cfg, parallel_dims, device, built, step_loss, batches.tokens_per_rank_step
+    )
+    loss_replicas = parallel_dims.world_size // parallel_dims.pp  # ranks per loss value x DP
+    set_collective_timeout(cfg.comm.train_timeout_seconds)
+    metrics, profiler, snapshot, phases = build_observers(cfg, rank, device, state.step)
+    return Run(
+        cfg=cfg,
+        parallel_dims=parallel_dims,
+        rank=rank,
+        device=device,
+        setup=setup,
+        accum_steps=batches.accum_steps,
+        tokens_per_step=batches.global_batch * t.seq_len,
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+        data_iter=iter(train_loader),
+        val_loader=val_loader,
+        checkpointer=checkpointer,
+        state=state,
+        loss_replicas=loss_replicas,
+        flops_per_token=fpt,
+        peak_flops=peak,
+        metrics=metrics,
+        profiler=profiler,
+        snapshot=snapshot,
+        phases=phases,
+        rss_before_model=rss_before_model,
+    )
+
+
+def run_training(
+    cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, local_rank: int, stop
+) -> TrainState:
+    """Builds the run and trains it; any failure inside the loop comes out as a `StepError`
+    (or `NonFiniteError`), after the teardown. `stop`: train.py's StopFlag."""
+    run = build_run(cfg, parallel_dims, rank=rank, local_rank=local_rank)
+    try:
+        train_loop(run, stop)
     except (NonFiniteError, StepError):
         raise
     except Exception as e:
-        raise StepError(
-            f"rank {rank} failed at step {state.step}: {type(e).__name__}: {e}"
-            + (
-                f" (comm.train_timeout_seconds = {cfg.comm.train_timeout_seconds})"
-                if "timeout" in str(e).lower() or "timed out" in str(e).lower()
-                else ""
-            )
-        ) from e
+        raise step_error(run, e) from e
     finally:
-        profiler.close()
-        snapshot.close()
-        if checkpointer is not None:
-            if sys.exc_info()[1] is None:
-                checkpointer.close()
-            else:  # keep the original error: a save cut short by it may fail to close too
-                try:
-                    checkpointer.close()
-                except Exception as close_error:  # noqa: BLE001
-                    logger.error("checkpoint: closing after the error also failed: %s", close_error)
-        metrics.close()
-    logger.info("done: %d steps, %s tokens", state.step, f"{state.tokens_seen:,}")
-    return state
-
-
-def _first_bad_step(first_bad: torch.Tensor) -> int:
-    """The first non-finite step (-1 if none), agreed by all ranks; a collective on all ranks.
-    Every rank sees the same global loss and gradient norm, so their first steps agree."""
-    value = first_bad.clone().reshape(1)
-    if dist.is_initialized():
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return int(value.item())
+        close_run(run, failed=sys.exc_info()[1] is not None)
+    logger.info("done: %d steps, %s tokens", run.state.step, f"{run.state.tokens_seen:,}")
+    return run.state
