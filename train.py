@@ -136,7 +136,7 @@ def dry_run(cfg: JobConfig) -> None:
         f"{fpt / 1e9:.2f} GFLOP per token at seq_len {args.max_seq_len}"
     )
     if cfg.job.simulate_world_size:  # per-rank memory of the configured layout at that scale
-        from parallelisms.estimate import format_plan, simulate
+        from planning.simulate import format_plan, simulate
 
         world = cfg.job.simulate_world_size
         check_config(cfg, world)

@@ -139,14 +139,14 @@ def vocab_size(cfg) -> int:
 
 
 def estimated_mib(row: Row, ns, extra: list[str]) -> float | None:
-    """Parameter + gradient + AdamW MiB per rank that parallelisms/estimate predicts."""
+    """Parameter + gradient + AdamW MiB per rank that planning/simulate predicts."""
     if row.bare:
         return None
     import torch
 
     from job_config import parse_args
     from models import get_model_spec, model_args_for
-    from parallelisms.estimate import simulate
+    from planning.simulate import simulate
 
     cfg = parse_args(["--config", ns.config, *extra, *row.args])
     args = model_args_for(cfg.model, cfg.training.seq_len, vocab_size(cfg))

@@ -1,5 +1,5 @@
 """Scale planning from this machine: per-rank memory of a real layout, ZeRO arithmetic, and a
-proposed mesh for a cluster (see parallelisms/estimate.py for the models).
+proposed mesh for a cluster (see the planning/ package for the models).
 
     python scripts/estimate.py --config llama3_70b --world-size 512 \
         --parallelism.tensor_parallel_degree 8 [--device-memory-gib 80] [--section.key V ...]
@@ -22,10 +22,19 @@ from job_config import ConfigError, JobConfig, parse_args
 from metrics.flops import flops_per_token
 from models import get_model_spec, model_args_for
 from models.llama3 import ModelArgs
-from parallelisms import estimate as est
 from parallelisms.parallel_dims import ParallelismError
+from planning.advise import (
+    Workload,
+    advise,
+    explain,
+    format_candidates,
+    format_header,
+    verification_config,
+)
+from planning.communication import Cluster
+from planning.memory import GIB, zero_bytes_per_param
+from planning.simulate import format_plan, simulate
 
-GIB = est.GIB
 # Llama 2 13B's shape (the classic ZeRO exercise model): 13.0B parameters.
 LLAMA_13B = ModelArgs(
     dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, vocab_size=32000, multiple_of=256
@@ -57,7 +66,7 @@ def report(
     check_config(cfg, world_size)
     spec = get_model_spec(cfg.model.name)
     t0 = time.perf_counter()
-    plan = est.simulate(
+    plan = simulate(
         spec,
         model_args_for(cfg.model, cfg.training.seq_len),
         cfg,
@@ -65,7 +74,7 @@ def report(
         device_type=device_type,
         all_stages=all_stages,
     )
-    text = est.format_plan(plan, memory_gib)
+    text = format_plan(plan, memory_gib)
     return text + f"\n(simulated {len(plan.ranks)} rank(s) in {time.perf_counter() - t0:.1f} s)"
 
 
@@ -80,7 +89,7 @@ def exercise_1() -> str:
         f"{'':8} {'bytes/param/GPU':>22} {'per GPU':>22}",
     ]
     for stage, name in enumerate(("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")):
-        per, formula = est.zero_bytes_per_param(stage, gpus)
+        per, formula = zero_bytes_per_param(stage, gpus)
         total = per * n
         lines.append(
             f"{name:8} {formula + f' = {per:g}':>22} {f'{total / 1e9:.1f} GB = {total / GIB:.1f} GiB':>22}"
@@ -97,7 +106,7 @@ def exercise_1() -> str:
         cfg.training.seq_len, cfg.training.local_batch_size = 4096, 1
         cfg.training.mixed_precision_param = "bfloat16"
         cfg.parallelism.zero_stage = stage
-        plan = est.simulate(spec, LLAMA_13B, cfg, gpus, ranks=[0])
+        plan = simulate(spec, LLAMA_13B, cfg, gpus, ranks=[0])
         r = plan.ranks[0]
         lines.append(
             f"{name:8} params {r.params / GIB:6.1f} + grads {r.grads / GIB:6.1f} + AdamW "
@@ -113,112 +122,27 @@ def exercise_1() -> str:
     return "\n".join(lines)
 
 
-def advise_report(
-    cfg: JobConfig, cluster: est.Cluster, global_batch: int, verify: bool = True
-) -> str:
+def advise_report(cfg: JobConfig, cluster: Cluster, global_batch: int, verify: bool = True) -> str:
+    """The proposed mesh for `cfg`'s model on `cluster`, every candidate tried, why, and (with
+    `verify`) the proposal's per-rank table from the real parallelize functions."""
     args = model_args_for(cfg.model, cfg.training.seq_len)
     n, n_no_emb = count(args, cfg.model.name)
     t = cfg.training
-    fpt = flops_per_token(n_no_emb, args.n_layers, args.n_heads, args.head_dim, t.seq_len)
-    best, tried = est.advise(
+    work = Workload(
         args,
         n,
-        fpt,
-        cluster,
-        seq_len=t.seq_len,
-        global_batch=global_batch,
-        block_bytes=get_model_spec(cfg.model.name).block_activation_bytes,
+        flops_per_token(n_no_emb, args.n_layers, args.n_heads, args.head_dim, t.seq_len),
+        t.seq_len,
+        global_batch,
+        get_model_spec(cfg.model.name).block_activation_bytes,
         micro_batch=t.local_batch_size,
     )
-    lines = [
-        f"Advice for {cfg.model.name} {cfg.model.flavor} ({n / 1e9:.1f}B params, seq_len "
-        f"{t.seq_len}, global batch {global_batch} sequences = {global_batch * t.seq_len:,} "
-        f"tokens, micro-batch <= {t.local_batch_size}) on {cluster.nodes} node(s) x "
-        f"{cluster.gpus_per_node} GPUs ({cluster.world} ranks), {cluster.memory_gib:g} GiB each.",
-        f"Links: intra-node {cluster.intra_gbs:g} GB/s bidirectional -> "
-        f"{cluster.intra_bps / 1e9:.0f} GB/s per direction x efficiency; inter-node "
-        f"{cluster.inter_gbits:g} Gb/s per GPU -> {cluster.inter_bps / 1e9:.0f} GB/s. Compute: "
-        f"{cluster.peak_tflops:g} TFLOP/s peak at {cluster.mfu:.0%} MFU.",
-        "",
-        f"{'tp':>3} {'pp':>3} {'dp':>5} {'ac':>5} {'mb x acc':>8} {'mem GiB':>8} {'compute s':>9} "
-        f"{'dp comm s':>9} {'tp comm s':>9} {'pp comm s':>9} {'bubble s':>8} {'step s':>7}",
-    ]
-    for c in tried:
-        by = {x.dim: x.seconds for x in c.comms}
-        mark = " <-" if c is best else ""
-        lines.append(
-            f"{c.layout.tp:>3} {c.layout.pp:>3} {c.layout.dp:>5} {c.layout.ac:>5} "
-            f"{f'{c.micro_batch}x{c.accum}':>8} {c.memory / GIB:>8.1f} {c.compute:>9.2f} {by.get('dp', 0):>9.3f} "
-            f"{by.get('tp', 0):>9.3f} {by.get('pp', 0):>9.3f} {c.bubble:>8.2f} {c.step:>7.2f}{mark}"
-        )
-    if best is None:
-        lines.append("No layout fits: add GPUs, lower seq_len/local batch or use CPU offload.")
-        return "\n".join(lines)
-    lay = best.layout
-    lines += ["", f"Proposed: TP {lay.tp} x PP {lay.pp} x FSDP {lay.dp}, AC {lay.ac}.", "Why:"]
-    for c in best.comms:
-        lines.append(
-            f"- {c.dim} ({c.size} ranks over {c.link}): {c.what}: {c.bytes / 1e9:.2f} GB per "
-            f"rank per step = {c.seconds:.3f} s, "
-            + ("on the critical path." if c.exposed else "overlapped with compute.")
-        )
-    if lay.tp > 1:
-        lines.append(
-            f"- TP {lay.tp} stays inside a node: its traffic is per layer and exposed, so it "
-            "needs NVLink; it divides the weights and activations by the TP degree."
-        )
-    else:
-        lines.append("- No TP: FSDP alone fits memory, and its traffic hides behind compute.")
-    others = sorted(
-        (c for c in tried if c is not best and c.memory <= 0.9 * cluster.memory_gib * GIB),
-        key=lambda c: (c.layout.pp, c.step),
-    )
-    if others:
-        o = others[0]
-        lines.append(
-            f"- Runner-up: TP {o.layout.tp} x PP {o.layout.pp} x FSDP {o.layout.dp}, AC "
-            f"{o.layout.ac}: {o.step:.2f} s per step"
-            + (" (full AC recomputes the forward: +1/3 compute)" if o.layout.ac == "full" else "")
-            + "."
-        )
-    unfit = [
-        c for c in tried if c.layout.pp <= lay.pp and c.memory > 0.9 * cluster.memory_gib * GIB
-    ]
-    if unfit:
-        lines.append(
-            "- Rejected for memory (> 90% of the device): "
-            + ", ".join(
-                f"TP {c.layout.tp}/PP {c.layout.pp}/AC {c.layout.ac} {c.memory / GIB:.0f} GiB"
-                for c in unfit
-            )
-            + "."
-        )
-    lines.append(
-        f"- PP {lay.pp}: "
-        + (
-            "not needed (it costs a bubble and needs microbatches)."
-            if lay.pp == 1
-            else "needed, no layout with fewer stages fits memory."
-        )
-    )
-    lines.append(f"- Step time model: {best.step:.2f} s (compute {best.compute:.2f} s).")
-    if verify:
-        vcfg = est.replace_parallelism(
-            cfg,
-            tensor_parallel_degree=lay.tp,
-            pipeline_parallel_degree=lay.pp,
-            data_parallel_shard_degree=-1,
-            data_parallel_replicate_degree=1,
-            zero_stage=3,
-            ac=lay.ac,
-        )
-        local = global_batch // lay.dp
-        vcfg.training.local_batch_size = local if lay.pp > 1 else best.micro_batch
-        vcfg.training.global_batch_size = global_batch
-        if lay.pp > 1:
-            vcfg.parallelism.pipeline_parallel_schedule = "1F1B"
-            vcfg.parallelism.pipeline_parallel_layers_per_stage = -1
-            vcfg.parallelism.pipeline_parallel_microbatch_size = 1
+    advice = advise(work, cluster)
+    model = f"{cfg.model.name} {cfg.model.flavor}"
+    lines = [*format_header(model, work, cluster), "", *format_candidates(advice)]
+    lines += explain(advice, cluster)
+    if verify and advice.best is not None:
+        vcfg = verification_config(cfg, advice.best, global_batch)
         lines += ["", "Checked with the real parallelize functions (simulated ranks):"]
         lines.append(report(vcfg, cluster.world, cluster.memory_gib, "cuda"))
     return "\n".join(lines)
@@ -253,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         config = "llama3_70b" if ns.exercise == 2 else ns.config
         cfg = parse_args(["--config", config, *overrides])
         if ns.exercise == 2 or ns.advise:
-            cluster = est.Cluster(
+            cluster = Cluster(
                 gpus_per_node=ns.gpus_per_node,
                 nodes=8 if ns.exercise == 2 else ns.nodes,
                 intra_gbs=ns.intra_node_gbs,

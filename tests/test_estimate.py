@@ -17,10 +17,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from job_config import parse_args
 from models import arg_overrides, build_model_args, get_model_spec, model_args_for
-from parallelisms import estimate as est
 from parallelisms.init_weights import materialize
 from parallelisms.memory_report import memory_report
 from parallelisms.parallel_dims import ParallelDims
+from planning.communication import Cluster, Layout, comm_per_step
+from planning.memory import korthikanti_layer_bytes, zero_bytes_per_param
+from planning.simulate import gathered_elements, simulate
 from training.loss import cross_entropy_sum
 from training.optimizer import build_optimizer
 
@@ -118,7 +120,7 @@ QWEN3_UNTIED = "--model.name qwen3 --model.flavor debugmodel_untied"
 )
 def test_simulated_states_equal_real_tensors_after_a_step(world, tp, zero, model):
     cfg = _cfg(f"--parallelism.tensor_parallel_degree {tp} --parallelism.zero_stage {zero} {model}")
-    plan = est.simulate(get_model_spec(cfg.model.name), _args(cfg), cfg, world, device_type="cpu")
+    plan = simulate(get_model_spec(cfg.model.name), _args(cfg), cfg, world, device_type="cpu")
     rank = plan.ranks[0]
     real = _real_step(cfg, world, tp, zero)
     extra = 0
@@ -173,9 +175,9 @@ def test_family_block_count_equals_saved_activations_on_cpu(name, flavor, shape)
 
 def test_korthikanti_reference_counts():
     # Korthikanti's GPT count, for reference: sbh(34 + 5as/h), and its TP/AC variants
-    assert est.korthikanti_layer_bytes(8, 1, 4, 2) == 8 * 4 * (34 + 5 * 2 * 8 / 4)
-    assert est.korthikanti_layer_bytes(8, 1, 4, 2, 2) == 8 * 4 * (17 + 5 * 2 * 8 / 8)
-    assert est.korthikanti_layer_bytes(8, 1, 4, 2, 2, recompute="full") == 2 * 8 * 4 / 2
+    assert korthikanti_layer_bytes(8, 1, 4, 2) == 8 * 4 * (34 + 5 * 2 * 8 / 4)
+    assert korthikanti_layer_bytes(8, 1, 4, 2, 2) == 8 * 4 * (17 + 5 * 2 * 8 / 8)
+    assert korthikanti_layer_bytes(8, 1, 4, 2, 2, recompute="full") == 2 * 8 * 4 / 2
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -187,11 +189,11 @@ def test_comm_model_equals_counted_collectives(tp):
     args = _args(cfg)
     with torch.device("meta"):
         n = sum(p.numel() for p in get_model_spec("llama3").model_cls(args).parameters())
-    comms = est.comm_per_step(
+    comms = comm_per_step(
         args,
         n,
-        est.Layout(tp=tp, pp=1, dp=2),
-        est.Cluster(),
+        Layout(tp=tp, pp=1, dp=2),
+        Cluster(),
         seq_len=32,
         local_batch=2,
         param_bytes=4,
@@ -207,7 +209,7 @@ def test_comm_model_equals_counted_collectives(tp):
 
 def test_exercise_1_arithmetic_and_real_apply_functions():
     cli = _script()
-    assert [est.zero_bytes_per_param(s, 8)[0] for s in range(4)] == [16, 5.5, 3.75, 2]
+    assert [zero_bytes_per_param(s, 8)[0] for s in range(4)] == [16, 5.5, 3.75, 2]
     text = cli.exercise_1()
     assert "DDP             2 + 2 + 12 = 16   208.3 GB" in text
     assert (
@@ -252,7 +254,7 @@ def test_fsdp_buffer_of_llama3_8b_at_tp2_fsdp4_by_hand():
     cfg = parse_args("--config llama3_8b --parallelism.tensor_parallel_degree 2".split())
     spec = get_model_spec("llama3")
     args = model_args_for(cfg.model, cfg.training.seq_len)
-    rank = est.simulate(spec, args, cfg, 8, device_type="cuda", ranks=[0]).ranks[0]
+    rank = simulate(spec, args, cfg, 8, device_type="cuda", ranks=[0]).ranks[0]
     h, kv, f, v, tp = 4096, 1024, 14336, 128256, 2
     matrices = h * (h + kv + kv + h) + 3 * h * f  # all TP-sharded
     block = matrices // tp + 2 * h  # 109,060,096 elements per rank, the norms replicated
@@ -286,7 +288,7 @@ def test_gathered_elements_equal_fsdp_unsharded_parameters_under_tp():
             *[[b] for b in model.layers.values()],
         ]
         for unit in units:
-            estimated = sum(est.gathered_elements(m) for m in unit)
+            estimated = sum(gathered_elements(m) for m in unit)
             unit[-1].unshard()  # norm and output are one FSDP group: one unshard gathers both
             real = sum(p.to_local().numel() for m in unit for p in m.parameters())
             assert not any(

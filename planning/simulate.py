@@ -1,0 +1,306 @@
+"""Simulation: per-rank memory of a real layout, one simulated rank at a time, in one process.
+
+`simulate` builds the real model on the meta device, joins a `fake` process group as one rank
+of an N-rank world (no communication, nothing allocated), builds the real mesh and applies the
+model's real parallelize function (or its pipeline split), then reads what each rank holds:
+the local shards of the parameters, and from them gradients and AdamW state as the chosen
+ZeRO stage keeps them, FSDP's gathered units in flight, and activations (`planning.memory`).
+
+This module imports no model: callers pass the model spec (`models.get_model_spec`).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from parallelisms.mixed_precision import mixed_precision_dtypes
+from parallelisms.parallel_dims import ParallelDims
+from planning.memory import GIB, rank_activations
+
+_STEP_BYTES = 4  # AdamW's per-parameter `step` counter (an fp32 scalar tensor)
+
+
+@dataclass
+class RankMemory:
+    """What one rank holds, in bytes (see `simulate`)."""
+
+    rank: int
+    pp_rank: int
+    layers: int
+    local_params: int  # elements of this rank's parameter shards
+    params: int
+    grads: int
+    optimizer: int
+    working: int  # FSDP: gathered parameters/gradients of the blocks in flight
+    activations: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def states(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return self.states + self.working + self.activations
+
+
+@dataclass
+class Plan:
+    """The result of `simulate`: the layout and one `RankMemory` per simulated rank."""
+
+    dims: ParallelDims
+    model_params: int
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    ranks: list[RankMemory]
+    activation_formula: str
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`torch.bfloat16` -> "bfloat16", the spelling of `training.mixed_precision_*`."""
+    return str(dtype).removeprefix("torch.")
+
+
+# -------------------------------------------------------------- what a parallelized part holds
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def _dp_factor(p: torch.Tensor) -> int:
+    """How many data-parallel shards a parameter is cut into (1 if not sharded on dp).
+
+    FSDP2 over a TP-sharded DTensor whose TP placement cuts the same dim (ColwiseParallel's
+    Shard(0), the vocab-sharded embedding and output) places it `_StridedShard` on the dp
+    mesh dim, which is not a `Shard` subclass (torch 2.13: `isinstance` and `is_shard()` are
+    both False), so it is named here as well."""
+    if not isinstance(p, DTensor):
+        return 1
+    names = p.device_mesh.mesh_dim_names or ()
+    factor = 1
+    for i, placement in enumerate(p.placements):
+        sharded = isinstance(placement, (Shard, _StridedShard))
+        if sharded and i < len(names) and "dp" in names[i]:
+            factor *= p.device_mesh.size(i)
+    return factor
+
+
+def gathered_elements(module: nn.Module | None) -> int:
+    """Elements of `module`'s parameters one rank holds while FSDP has them all-gathered: its
+    local shard times the data-parallel shards (TP shards stay cut; rank 0's shard is the
+    largest, so this is FSDP's padded all-gather size)."""
+    if module is None:
+        return 0
+    return sum(_local(p).numel() * _dp_factor(p) for p in module.parameters())
+
+
+def state_bytes(part: nn.Module) -> tuple[int, int, int, int]:
+    """(local parameter elements, parameter, gradient, AdamW-state bytes) one rank holds
+    for `part` after a step, read from the parallelized module itself.
+
+    FSDP2 / TP / plain: the registered parameters are what the rank keeps (DTensor local
+    shards); gradients have the same shape and dtype; AdamW keeps 2 states of each (and a step
+    counter). ZeRO 0-2
+    (`parallelisms.zero`): the full compute parameters in the compute dtype, plus an fp32
+    master shard where the dtypes differ; stage 0/1 keep the full reduced gradient (stage 1
+    as a view of which the optimizer sees one shard), stage 2 only the shard.
+    """
+    zero = getattr(part, "_zero", None)
+    n_local = param_b = grad_b = optim_b = 0
+    if zero is None:
+        for p in part.parameters():
+            loc = _local(p)
+            n_local += loc.numel()
+            param_b += loc.numel() * loc.element_size()
+            grad_b += loc.numel() * loc.element_size()
+            optim_b += 2 * loc.numel() * loc.element_size() + _STEP_BYTES
+        return n_local, param_b, grad_b, optim_b
+    pdt, rdt = zero.param_dtype.itemsize, zero.reduce_dtype.itemsize
+    for p in zero.params:
+        master = _local(p.master)
+        msize = master.element_size()
+        n_local += master.numel()
+        full = _local(p.compute).numel()
+        if zero.stage == 0:
+            param_b += full * pdt + (0 if p.master is p.compute else full * msize)
+            grad_b += full * msize
+        else:
+            param_b += p.buffer.numel() * pdt
+            param_b += 0 if master.dtype == zero.param_dtype else master.numel() * msize
+            shard = p.rows_per_rank * (full // max(1, p.compute.shape[0]))
+            if zero.stage == 1:  # the full reduced gradient stays alive behind the shard view
+                grad_b += full * rdt if zero.reduce_dtype == master.dtype else shard * msize
+            else:
+                grad_b += shard * msize
+        optim_b += 2 * master.numel() * msize + _STEP_BYTES
+    return n_local, param_b, grad_b, optim_b
+
+
+def fsdp_working_bytes(part: nn.Module, param_bytes: int, reduce_bytes: int) -> int:
+    """FSDP2's transient memory at its largest moment, with `apply_fsdp`'s units. The final
+    norm + output unit stays gathered from its forward into its backward, beside the last
+    block (also kept) and its own unsharded gradients; in the middle of backward two blocks
+    are gathered (the current one and the prefetched next) plus one block's unsharded
+    gradients before their reduce-scatter (compute + reduce dtype); at the end of backward the
+    embeddings' unsharded gradients (their weights are not gathered again)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(part, FSDPModule):
+        return 0
+
+    blocks = [gathered_elements(b) for b in part.layers.values()]
+    big = max(blocks, default=0)
+    emb = gathered_elements(getattr(part, "tok_embeddings", None))
+    head = gathered_elements(getattr(part, "norm", None))
+    head += gathered_elements(getattr(part, "output", None))
+    with_grads = 2 * param_bytes + reduce_bytes  # gathered weights + unsharded gradients
+    return max(
+        head * with_grads + big * param_bytes,
+        2 * big * param_bytes + big * (param_bytes + reduce_bytes),
+        emb * (param_bytes + reduce_bytes),
+    )
+
+
+def _measure(
+    parts: list[nn.Module],
+    cfg,
+    model_args,
+    dims: ParallelDims,
+    rank: int,
+    dtypes: tuple[torch.dtype, torch.dtype],
+    block_bytes,
+    scores_stored: bool,
+) -> RankMemory:
+    """One simulated rank's `RankMemory`, from its parallelized model parts."""
+    pp_rank = rank // (dims.world_size // dims.pp)
+    param_bytes, reduce_bytes = (dtype.itemsize for dtype in dtypes)
+    n_local = params = grads = optim = working = layers = 0
+    has_output = False
+    for part in parts:
+        n, pb, gb, ob = state_bytes(part)
+        n_local, params, grads, optim = n_local + n, params + pb, grads + gb, optim + ob
+        working += fsdp_working_bytes(part, param_bytes, reduce_bytes)
+        layers += len(part.layers)
+        has_output = has_output or getattr(part, "output", None) is not None
+    if block_bytes is None:
+        act, note = 0, "activations not counted: the model family gives no block_activation_bytes"
+    else:
+        estimate = rank_activations(
+            cfg, model_args, dims, pp_rank, layers, has_output, block_bytes, scores_stored
+        )
+        act, note = estimate.total, estimate.describe()
+    return RankMemory(rank, pp_rank, layers, n_local, params, grads, optim, working, act, [note])
+
+
+# ---------------------------------------------------------------------------- simulate
+def _default_ranks(dims: ParallelDims, all_stages: bool) -> list[int]:
+    """The first rank of the first, second and last pipeline stage (`all_stages`: of every
+    stage)."""
+    per_stage = dims.world_size // dims.pp
+    stages = range(dims.pp) if all_stages else sorted({0, min(1, dims.pp - 1), dims.pp - 1})
+    return [stage * per_stage for stage in stages]
+
+
+def _activation_formula(scores_stored: bool) -> str:
+    return (
+        "per layer the model family's count of the tensors one block saves (Llama: "
+        "sbh(28 + 8f/h)/t; Korthikanti et al.'s GPT count: sbh(34/t + 5as/(ht)) with TP+SP); "
+        "full AC keeps 2sbh/t"
+        + ("" if scores_stored else "; no 5as/h term: fused SDPA keeps no s x s scores")
+    )
+
+
+def _parallelized_parts(spec, model_args, cfg, dims: ParallelDims) -> list[nn.Module]:
+    """The model parts this rank holds after the trainer's parallelize (or pipeline) step,
+    on the meta device; needs the rank's process group and `dims`' mesh."""
+    with torch.device("meta"):
+        model = spec.model_cls(model_args)
+    if dims.pp_enabled:
+        parts, _, _, _ = spec.pipeline_fn(
+            model, dims, cfg, torch.device("meta"), lambda out, target: out.sum()
+        )
+        return parts
+    return [spec.parallelize_fn(model, dims, cfg, "cpu")]
+
+
+def simulate(
+    spec,
+    model_args,
+    cfg,
+    world_size: int,
+    *,
+    device_type: str = "cuda",
+    ranks: list[int] | None = None,
+    all_stages: bool = False,
+    scores_stored: bool = False,
+) -> Plan:
+    """Per-rank memory of `cfg`'s layout on `world_size` ranks of `device_type` devices.
+
+    Each simulated rank joins a fresh `fake` process group (FakeStore) as that rank, builds
+    the mesh, builds `spec.model_cls(model_args)` on the meta device and applies
+    `spec.parallelize_fn` (or `spec.pipeline_fn` when pipeline_parallel_degree > 1), exactly
+    what the trainer does. Default ranks: the first rank of the first, second and last
+    pipeline stage (`all_stages`: of every stage); the other ranks of a stage hold the same
+    sizes up to shard rounding, and middle stages lie between the first two in activations.
+    `scores_stored`: count the s x s attention scores (an unfused attention kernel).
+    """
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("simulate() needs a process without a process group")
+    dtypes = mixed_precision_dtypes(cfg.training, device_type)
+    cfg = copy.deepcopy(cfg)
+    # the parts are built for "cpu": pin the compute dtype `device_type` resolves to
+    cfg.training.mixed_precision_param = dtype_name(dtypes[0])
+    dims = ParallelDims.from_parallelism(cfg.parallelism, world_size)
+    with torch.device("meta"):
+        n_total = sum(x.numel() for x in spec.model_cls(model_args).parameters())
+    block_bytes = spec.block_activation_bytes
+    out = []
+    for rank in _default_ranks(dims, all_stages) if ranks is None else ranks:
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        try:
+            dims.mesh = None
+            dims.build_mesh("cpu")
+            parts = _parallelized_parts(spec, model_args, cfg, dims)
+            out.append(
+                _measure(parts, cfg, model_args, dims, rank, dtypes, block_bytes, scores_stored)
+            )
+        finally:
+            dist.destroy_process_group()
+            dims.mesh = None
+    return Plan(dims, n_total, *dtypes, out, _activation_formula(scores_stored))
+
+
+def format_plan(plan: Plan, device_memory_gib: float) -> str:
+    """A per-rank table in GiB and the verdict against `device_memory_gib`."""
+    d = plan.dims
+    lines = [
+        f"layout: {d.describe()} | params {plan.model_params:,} | compute dtype "
+        f"{dtype_name(plan.param_dtype)}, gradient reduction {dtype_name(plan.reduce_dtype)}, "
+        "AdamW (2 fp32 states)",
+        f"{'rank':>6} {'stage':>5} {'layers':>6} {'params':>9} {'grads':>9} {'adamw':>9} "
+        f"{'fsdp buf':>9} {'activ.':>9} {'total':>9}  vs {device_memory_gib:g} GiB",
+    ]
+    for r in plan.ranks:
+        verdict = "fits" if r.total <= device_memory_gib * GIB else "DOES NOT FIT"
+        if verdict == "fits" and r.total > 0.9 * device_memory_gib * GIB:
+            verdict = "tight (>90%)"
+        lines.append(
+            f"{r.rank:>6} {r.pp_rank:>5} {r.layers:>6} "
+            + " ".join(
+                f"{v / GIB:>9.2f}"
+                for v in (r.params, r.grads, r.optimizer, r.working, r.activations, r.total)
+            )
+            + f"  {verdict}"
+        )
+    lines.append(f"activations: {plan.activation_formula}")
+    for r in plan.ranks:
+        lines.append(f"  rank {r.rank}: {'; '.join(r.notes)}")
+    return "\n".join(lines)
