@@ -285,8 +285,13 @@ def replace_parallelism(cfg, **values):
     cfg = copy.deepcopy(cfg)
     ac = values.pop("ac", None)
     cfg.parallelism = dataclasses.replace(cfg.parallelism, **values)
+    chosen = {f"parallelism.{k}" for k in values}
     if ac is not None:
         cfg.activation_checkpoint = dataclasses.replace(cfg.activation_checkpoint, mode=ac)
+        chosen.add("activation_checkpoint.mode")
+    # chosen here as if on the command line: the config check then excuses the preset's values
+    # that the new layout makes moot (a PP schedule under PP 1, an AC option with AC off)
+    cfg._cli_keys = getattr(cfg, "_cli_keys", set()) | chosen
     return cfg
 
 

@@ -248,6 +248,19 @@ def test_advise_proposes_tp_inside_nodes_and_fsdp_across():
     assert "Checked with the real parallelize functions" in text
 
 
+@pytest.mark.parametrize("preset", ["llama3_8b", "llama3_70b", "llama3_405b"])
+def test_advise_checks_its_proposal_for_every_preset(preset):
+    """The proposal is checked under the preset's other options: a preset's PP schedule or
+    per-op AC option must not make the check config invalid when the proposal turns PP or AC
+    off (it once did: exit 2, no table)."""
+    cli = _script()
+    out = io.StringIO()
+    args = ["--advise", "--config", preset, "--gpus-per-node", "8", "--nodes", "64"]
+    with contextlib.redirect_stdout(out):
+        assert cli.main([*args, "--device-memory-gib", "80"]) == 0
+    assert "Checked with the real parallelize functions" in out.getvalue()
+
+
 def test_fsdp_buffer_of_llama3_8b_at_tp2_fsdp4_by_hand():
     """FSDP2 over TP-sharded weights places the column-sharded ones (wq, wk, wv, w1, w3, the
     vocab-sharded embedding and output) `_StridedShard` on the dp dim: they count as sharded."""
