@@ -53,7 +53,7 @@ MUTANTS = [
         "work = dist.all_reduce(\n"
         "            local if local.ndim > 1 else local.new_zeros(()), group=self.group,"
         " async_op=True\n        )",
-        (f"{PARITY}[zero1_4]",),
+        (f"{PARITY}[zero1_2_ac_op]",),
     ),
     Mutant(
         "weight_decay_on_norms_and_embeddings",
@@ -77,7 +77,7 @@ MUTANTS = [
         "models/llama3/parallelize.py",
         '    if ac.mode != "none":\n',
         "    if False:\n",
-        (f"{PARITY}[ddp2_ac_full]",),
+        (f"{PARITY}[ddp4_ac_full]",),
     ),
     Mutant(
         "compile_not_applied",

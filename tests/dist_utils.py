@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +35,8 @@ class Run:
     args: list[str] = field(default_factory=list)
     after: str | None = None  # start only once the run of this name has finished
     env: dict[str, str] = field(default_factory=dict)  # extra environment variables
+    config: str | Path = TINY_CONFIG  # --config: a preset name or a TOML file
+    prepare: Callable[[], None] | None = None  # called just before the launch (copy a checkpoint)
     returncode: int | None = None
     output: str = ""
     seconds: float = 0.0
@@ -42,7 +45,7 @@ class Run:
         cmd = [sys.executable]
         if self.nproc > 1:
             cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.nproc}"]
-        return cmd + ["train.py", "--config", str(TINY_CONFIG), "--job.dump_folder",
+        return cmd + ["train.py", "--config", str(self.config), "--job.dump_folder",
                       str(self.folder), *self.args]  # fmt: skip
 
     def records(self, kind: str = "train") -> list[dict]:
@@ -78,6 +81,8 @@ def launch_many(runs: list[Run], parallel: int = 2, timeout: float = 600) -> dic
             run = ready[0]
             pending.remove(run)
             run.folder.parent.mkdir(parents=True, exist_ok=True)
+            if run.prepare is not None:
+                run.prepare()
             log = open(run.folder.with_suffix(".log"), "w+")  # closed when the run ends
             proc = subprocess.Popen(
                 run.command(),

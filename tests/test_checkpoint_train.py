@@ -18,17 +18,17 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import TINY_SHAPE
+from dist_utils import TINY_SHAPE, Run, launch_many
 from parity import EXACT, FP32, assert_layout, assert_parity
 
 ROOT = Path(__file__).resolve().parent.parent
-BASE = [
-    "--config",
-    "debug_model",
+PRESET = "debug_model"
+SETTINGS = [
     *TINY_SHAPE,
     "--training.seq_len",
     "32",
@@ -56,6 +56,7 @@ BASE = [
     "--checkpoint.enable",
     "true",
 ]
+BASE = ["--config", PRESET, *SETTINGS]
 TP = ["--parallelism.tensor_parallel_degree", "2"]
 PP = ["--parallelism.pipeline_parallel_degree", "2"]
 LAYOUTS = {
@@ -70,18 +71,25 @@ LAYOUTS = {
     "zero3": (2, ["--parallelism.zero_stage", "3"]),
     "hsdp": (4, ["--parallelism.data_parallel_replicate_degree", "2"]),
 }
-NEEDS = {  # layout piece -> module that provides it (other engineers' work)
-    "tp": "parallelisms.tensor_parallel",
-    "pp": "models.llama3.pipeline",
-    "zero": "parallelisms.zero",
+RESUMED = ["single", "fsdp2", "tp2_fsdp2", "pp2", "zero1", "zero2", "hsdp"]
+# the sync-saved step-10 resumed with async saves: one process, FSDP and ZeRO-2 (whose
+# shards are views at a storage offset: async staging once crashed on them)
+RESUMED_ASYNC = ["single", "fsdp2", "zero2"]
+RESHARDS = [
+    ("fsdp4", "fsdp2"),
+    ("tp2_fsdp2", "single"),
+    ("single", "pp2_tp2"),
+    ("pp2", "tp2_fsdp2"),
+    ("zero1", "zero3"),
+]
+FOUR_LAYERS = ["--model.n_layers", "4", "--training.steps", "20", "--checkpoint.interval", "10"]
+INTERLEAVED = ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
+# tests that need runs besides their parameters'
+NEEDS = {
+    "test_killed_save_leaves_the_previous_checkpoint": ["ref_fsdp2"],
+    "test_seed_checkpoint_then_mismatched_model": ["ref_fsdp2"],
+    "test_reshard_interleaved_pipeline_to_fsdp": ["interleaved", "interleaved_to_fsdp2"],
 }
-
-
-def require(layout: str) -> None:
-    """Skips, naming the missing piece, when a layout's parallelism is not in the tree."""
-    for key, module in NEEDS.items():
-        if key in layout and importlib.util.find_spec(module) is None:
-            pytest.skip(f"{layout} needs {module}, not in the tree yet")
 
 
 def train(dump: Path, layout: str, *args: str, env: dict | None = None, wait: bool = True):
@@ -143,116 +151,121 @@ def dcp_values(ckpt: Path, keys: dict) -> dict:
     return keys
 
 
-_REFERENCES: dict[str, tuple[Path, dict[int, float]]] = {}
+def _wanted(request) -> set[str]:
+    """The runs the selected tests of this module need (`-k` launches only those)."""
+    want = set()
+    for item in request.session.items:
+        if item.module is not request.module:
+            continue
+        params = item.callspec.params if hasattr(item, "callspec") else {}
+        if "layout" in params:
+            layout = params["layout"]
+            want |= {f"ref_{layout}", f"async_{layout}", f"resumed_{layout}"}
+            want |= {f"async_resumed_{layout}"} if layout in RESUMED_ASYNC else set()
+        if "src" in params:
+            want |= {f"ref_{params['src']}", f"reshard_{params['src']}_{params['dst']}"}
+        want |= set(NEEDS.get(item.originalname, ()))
+    return want
+
+
+def _copier(src: Path, dst: Path) -> Callable[[], None]:
+    return lambda: shutil.copytree(src, dst)
+
+
+def _plan(base: Path) -> list[Run]:
+    """Every launch of the resume and reshard tests, with what each waits for."""
+
+    def run(name, layout, *args, after=None, prepare=None):
+        nproc, extra = LAYOUTS[layout]
+        return Run(name, base / name, nproc, [*SETTINGS, *extra, *args], after=after,
+                   config=PRESET, prepare=prepare)  # fmt: skip
+
+    twenty = ["--training.steps", "20", "--checkpoint.interval", "10"]
+    asyncs = ["--checkpoint.async_mode", "async"]
+    plan = [run(f"ref_{layout}", layout, *twenty) for layout in LAYOUTS]
+    for layout in RESUMED:
+        # 10 steps saving asynchronously, then (a copy of that folder) resumed to 20 steps
+        first = ["--training.steps", "10", "--checkpoint.interval", "5", *asyncs]
+        plan.append(run(f"async_{layout}", layout, *first, "--checkpoint.keep_latest_k", "1"))
+        copy = _copier(base / f"async_{layout}", base / f"resumed_{layout}")
+        again = ["--training.steps", "20", "--checkpoint.interval", "5"]
+        plan.append(run(f"resumed_{layout}", layout, *again, after=f"async_{layout}", prepare=copy))
+    for layout in RESUMED_ASYNC:
+        # the reference's synchronously saved step-10, resumed in a fresh folder, async saves
+        name = f"async_resumed_{layout}"
+        copy = _step_copier(base / f"ref_{layout}", 10, base / name)
+        plan.append(run(name, layout, *twenty, *asyncs, after=f"ref_{layout}", prepare=copy))
+    for src, dst in RESHARDS:
+        name = f"reshard_{src}_{dst}"
+        copy = _step_copier(base / f"ref_{src}", 10, base / name)
+        plan.append(run(name, dst, *twenty, after=f"ref_{src}", prepare=copy))
+    # two pipeline stages per rank (one optimizer over both parts) save under the plain
+    # model's names: FSDP 2 continues from them
+    plan.append(run("interleaved", "pp2", *FOUR_LAYERS, *INTERLEAVED))
+    copy = _step_copier(base / "interleaved", 10, base / "interleaved_to_fsdp2")
+    plan.append(
+        run("interleaved_to_fsdp2", "fsdp2", *FOUR_LAYERS, after="interleaved", prepare=copy)
+    )
+    return plan
+
+
+def _step_copier(src_dump: Path, step: int, dst_dump: Path) -> Callable[[], None]:
+    return lambda: copy_checkpoint(src_dump, step, dst_dump)
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """20 steps of a layout, saving step-10 and step-20 synchronously (cached per layout)."""
-
-    def get(layout: str):
-        require(layout)
-        if layout not in _REFERENCES:
-            dump = tmp_path_factory.mktemp(f"ref_{layout}")
-            ok(train(dump, layout, "--training.steps", "20", "--checkpoint.interval", "10"))
-            got = losses(dump)
-            assert sorted(got) == list(range(1, 21))
-            _REFERENCES[layout] = dump, got
-        return _REFERENCES[layout]
-
-    return get
+def runs(request, tmp_path_factory):
+    """The selected tests' launches, two at a time (most of a short run is process start-up)."""
+    base = tmp_path_factory.mktemp("ckpt")
+    want = _wanted(request)
+    todo = [r for r in _plan(base) if r.name in want]
+    todo.sort(key=lambda r: -r.nproc)  # the widest first, so the others overlap them
+    return launch_many(todo, parallel=2)
 
 
 def steps(d: dict, lo: int, hi: int) -> list[float]:
     return [d[s] for s in range(lo, hi + 1)]
 
 
-@pytest.mark.parametrize(
-    "layout", ["single", "fsdp2", "tp2_fsdp2", "pp2", "zero1", "zero2", "hsdp"]
-)
-def test_exact_resume_sync_and_async(tmp_path, reference, layout):
-    ref_dump, ref = reference(layout)
-    nproc, extra = LAYOUTS[layout]
-    assert_layout(ref_dump, nproc, BASE + extra)
+@pytest.mark.parametrize("layout", RESUMED)
+def test_exact_resume_sync_and_async(runs, layout):
+    ref = runs[f"ref_{layout}"].check()
+    assert_layout(ref.folder, ref.nproc, ref.args)
+    ref_losses = losses(ref.folder)
+    assert sorted(ref_losses) == list(range(1, 21))
     # a 10-step run saving asynchronously, then resumed to 20 steps saving synchronously
-    dump = tmp_path / "a"
-    ok(
-        train(
-            dump,
-            layout,
-            "--training.steps",
-            "10",
-            "--checkpoint.interval",
-            "5",
-            "--checkpoint.async_mode",
-            "async",
-            "--checkpoint.keep_latest_k",
-            "1",
-        )
-    )
-    assert steps(losses(dump), 1, 10) == steps(ref, 1, 10)  # async saves leave training alone
-    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-10"]
-    ok(train(dump, layout, "--training.steps", "20", "--checkpoint.interval", "5"))
-    assert "step-10 (latest checkpoint in the run folder) step 10" in log_text(dump)
-    assert_parity(ref_dump, dump, EXACT)  # every step's loss and grad norm, final weights
-    # the reference's synchronously saved step-10, resumed in a fresh folder with async saves
-    dump = tmp_path / "c"
-    copy_checkpoint(ref_dump, 10, dump)
-    ok(
-        train(
-            dump,
-            layout,
-            "--training.steps",
-            "20",
-            "--checkpoint.interval",
-            "10",
-            "--checkpoint.async_mode",
-            "async",
-        )
-    )
-    assert sorted(losses(dump)) == list(range(11, 21))
-    assert_parity(ref_dump, dump, EXACT, first=11)
+    first = runs[f"async_{layout}"].check().folder
+    assert steps(losses(first), 1, 10) == steps(ref_losses, 1, 10)  # async saves: no effect
+    assert sorted(p.name for p in (first / "checkpoint").iterdir()) == ["step-10"]
+    resumed = runs[f"resumed_{layout}"].check().folder
+    assert "step-10 (latest checkpoint in the run folder) step 10" in log_text(resumed)
+    assert_parity(ref.folder, resumed, EXACT)  # every step's loss and grad norm, final weights
+    if layout in RESUMED_ASYNC:
+        dump = runs[f"async_resumed_{layout}"].check().folder
+        assert sorted(losses(dump)) == list(range(11, 21))
+        assert_parity(ref.folder, dump, EXACT, first=11)
 
 
-@pytest.mark.parametrize(
-    "src,dst",
-    [
-        ("fsdp4", "fsdp2"),
-        ("tp2_fsdp2", "single"),
-        ("single", "pp2_tp2"),
-        ("pp2", "tp2_fsdp2"),
-        ("zero1", "zero3"),
-    ],
-)
-def test_reshard(tmp_path, reference, src, dst):
-    require(dst)
-    src_dump, ref = reference(src)
-    dump = tmp_path / "dst"
-    copy_checkpoint(src_dump, 10, dump)
-    ok(train(dump, dst, "--training.steps", "20", "--checkpoint.interval", "10"))
-    assert sorted(losses(dump)) == list(range(11, 21))
-    assert_layout(dump, LAYOUTS[dst][0], BASE + LAYOUTS[dst][1])
-    assert_parity(src_dump, dump, FP32, first=11)
+@pytest.mark.parametrize("src,dst", RESHARDS)
+def test_reshard(runs, src, dst):
+    src_dump = runs[f"ref_{src}"].check().folder
+    run = runs[f"reshard_{src}_{dst}"].check()
+    assert sorted(losses(run.folder)) == list(range(11, 21))
+    assert_layout(run.folder, run.nproc, run.args)
+    assert_parity(src_dump, run.folder, FP32, first=11)
     if LAYOUTS[src][0] != LAYOUTS[dst][0] and src.startswith("fsdp"):
         # the data loader continued from the global position at another DP degree
         before = dcp_values(src_dump / "checkpoint/step-10", {"dataloader": {"state": b""}})
-        after = dcp_values(dump / "checkpoint/step-20", {"dataloader": {"state": b""}})
+        after = dcp_values(run.folder / "checkpoint/step-20", {"dataloader": {"state": b""}})
         assert before["dataloader"]["dp_degree"] == 4 and after["dataloader"]["dp_degree"] == 2
         assert before["dataloader"]["consumed_sequences"] == 10 * 8
         assert after["dataloader"]["consumed_sequences"] == 20 * 8
 
 
-def test_reshard_interleaved_pipeline_to_fsdp(tmp_path):
-    """Two pipeline stages per rank (one optimizer over both parts) save under the plain
-    model's names: FSDP 2 continues from them."""
-    require("pp2")
-    layers = ["--model.n_layers", "4", "--training.steps", "20", "--checkpoint.interval", "10"]
-    src = tmp_path / "interleaved"
-    ok(train(src, "pp2", *layers, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"))
-    dst = tmp_path / "fsdp"
-    copy_checkpoint(src, 10, dst)
-    ok(train(dst, "fsdp2", *layers))
-    assert_parity(src, dst, FP32, first=11)
+def test_reshard_interleaved_pipeline_to_fsdp(runs):
+    src, dst = runs["interleaved"].check(), runs["interleaved_to_fsdp2"].check()
+    assert_layout(src.folder, src.nproc, src.args, n_layers=4)
+    assert_parity(src.folder, dst.folder, FP32, first=11)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -276,8 +289,8 @@ def _digest(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()}
 
 
-def test_killed_save_leaves_the_previous_checkpoint(tmp_path, reference):
-    _, ref = reference("fsdp2")
+def test_killed_save_leaves_the_previous_checkpoint(tmp_path, runs):
+    ref = losses(runs["ref_fsdp2"].check().folder)
     dump = tmp_path / "run"
     ckpt = dump / "checkpoint"
     proc = train(
@@ -320,8 +333,8 @@ def test_killed_save_leaves_the_previous_checkpoint(tmp_path, reference):
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-10", "step-15", "step-20", "step-5"]
 
 
-def test_seed_checkpoint_then_mismatched_model(tmp_path, reference):
-    _, ref = reference("fsdp2")
+def test_seed_checkpoint_then_mismatched_model(tmp_path, runs):
+    ref = losses(runs["ref_fsdp2"].check().folder)
     dump = tmp_path / "seeded"
     seed = [
         sys.executable,
@@ -402,7 +415,6 @@ def test_weights_only_export_converts_to_hf(tmp_path):
 def test_converted_hf_model_loads_under_tp_and_fsdp(tmp_path):
     """A random HF Llama converted to DCP starts a TP 2 x FSDP 2 run whose first loss is the
     HF model's loss on the run's first global batch."""
-    require("tp2_fsdp2")
     transformers = pytest.importorskip("transformers")
     from data.dataloader import build_dataloader
     from data.sample_corpus import default_cache_dir, ensure_sample_tokenizer

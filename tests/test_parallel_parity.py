@@ -66,12 +66,9 @@ BF16_TOL = Tolerance(loss=2.5e-4, grad_norm=1e-3, weights=0.2, weights_norm=3e-2
 # layouts (AC must not change numerics, and this also checks ZeRO's parameter swap under
 # recompute).
 LAYOUTS = {
-    "ddp2_ac_full": (2, {**z(0), LB: 4, AC: "full"}),
-    "ddp4": (4, {**z(0), LB: 2}),
+    "ddp4_ac_full": (4, {**z(0), LB: 2, AC: "full"}),
     "zero1_2_ac_op": (2, {**z(1), LB: 4, AC: "selective", SAC: "op"}),
     "zero2_2_accum_ac_sel2": (2, {**z(2), LB: 2, GB: 8, AC: "selective", SAC: "2"}),
-    "zero1_4": (4, {**z(1), LB: 2}),
-    "zero2_4": (4, {**z(2), LB: 2}),
     "zero3_4": (4, {**z(3), LB: 2}),
     "hsdp_2x2": (4, {**z(3), LB: 2, REP: 2}),
     "hsdp_2x2_tp2": (8, {**z(3), LB: 2, REP: 2, TP: 2}),
@@ -79,16 +76,12 @@ LAYOUTS = {
     "tp2_fsdp2": (4, {TP: 2, LB: 4}),
     "tp2_ddp2_no_loss_parallel": (4, {**z(0), TP: 2, LB: 4, NO_LOSS_PARALLEL: "true"}),
     "fsdp2_offload_accum": (2, {LB: 2, GB: 8, "training__enable_cpu_offload": "true"}),
-    # Compile: one process first (local 4 x 2 accumulation steps, so its block graphs have
-    # the shapes the 2-rank run sees), then FSDP on 2 ranks, which finds them in the inductor
-    # cache instead of running gcc again on both ranks at once.
-    "compile_accum": (1, {LB: 4, GB: 8, COMPILE: "true"}),
-    "fsdp2_compile": (2, {LB: 4, COMPILE: "true"}),
+    # Compile: TP 2 first, then TP 2 x FSDP 2, which finds the block graphs in the inductor
+    # cache instead of running gcc again on every rank at once.
     "tp2_compile_ac_op": (2, {TP: 2, COMPILE: "true", AC: "selective", SAC: "op"}),
     "tp2_fsdp2_compile": (4, {TP: 2, LB: 4, COMPILE: "true"}),
     # the bf16 family, against FSDP 2 in bf16
     "fsdp2_bf16": (2, {LB: 4, **BF16}),
-    "zero1_2_bf16": (2, {**z(1), LB: 4, **BF16}),
     "zero2_2_accum_bf16": (2, {**z(2), LB: 2, GB: 8, **BF16}),
     "tp2_fsdp2_bf16": (4, {TP: 2, LB: 4, **BF16}),
     # Llama 3.2's tied embeddings (flavor 1B at the tiny shape): one process, then TP 2 x FSDP
@@ -102,11 +95,11 @@ REFERENCE[BF16_REFERENCE] = "reference"  # compared with fp32 only to show bf16 
 TOLERANCE = {name: BF16_TOL for name in REFERENCE}
 TIED_REFERENCE = "tied_one_process"
 REFERENCE |= {"tied_tp2_fsdp2": TIED_REFERENCE, TIED_REFERENCE: "reference"}
-AFTER = {"fsdp2_compile": "compile_accum", "tp2_fsdp2_compile": "tp2_compile_ac_op"}
+AFTER = {"tp2_fsdp2_compile": "tp2_compile_ac_op"}
 # Tests that need runs besides their parameter's: test name -> runs
 NEEDS = {
     "test_zero2_checkpoint_resumes_under_fsdp": ["zero2_to_zero3_resume"],
-    "test_compile_time_logged_separately": ["fsdp2_compile"],
+    "test_compile_time_logged_separately": ["tp2_fsdp2_compile"],
 }
 RESUME_FROM = {"zero2_to_zero3_resume": "zero2_2_accum_ac_sel2"}
 
@@ -176,7 +169,7 @@ def test_zero2_checkpoint_resumes_under_fsdp(runs):
 
 
 def test_compile_time_logged_separately(runs):
-    first = runs["fsdp2_compile"].check().records()[0]
+    first = runs["tp2_fsdp2_compile"].check().records()[0]
     assert first["step"] == 1 and first["compile_time_s"] > 0
 
 
@@ -199,7 +192,12 @@ ZERO_BYTES = {
 
 @pytest.mark.parametrize(
     "name,stage,n",
-    [("zero1_4", 1, 4), ("zero2_4", 2, 4), ("zero3_4", 3, 4), ("ddp2_ac_full", 0, 2)],
+    [
+        ("zero1_2_ac_op", 1, 2),
+        ("zero2_2_accum_ac_sel2", 2, 2),
+        ("zero3_4", 3, 4),
+        ("ddp4_ac_full", 0, 4),
+    ],
 )
 def test_memory_held_matches_zero_formulas(runs, name, stage, n):
     run = runs[name].check()
