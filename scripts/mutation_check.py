@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PARITY = "tests/test_parallel_parity.py::test_layout_matches_one_process"
-PP_PARITY = "tests/test_pipeline_parity.py::test_pipeline_matches_one_process"
-QWEN3_PARITY = "tests/test_qwen3_parity.py::test_qwen3_layout_matches_one_process"
-CONTRACT = "tests/test_model_contract.py"
+PARITY = "tests/integration/test_parallel_parity.py::test_layout_matches_one_process"
+PP_PARITY = "tests/integration/test_pipeline_parity.py::test_pipeline_matches_one_process"
+QWEN3_PARITY = "tests/integration/test_qwen3_parity.py::test_qwen3_layout_matches_one_process"
+CONTRACT = "tests/unit/test_model_contract.py"
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ MUTANTS = [
         "training/optimizer.py",
         "(keep if any(s in name for s in no_decay) else decay).append(p)",
         "decay.append(p)",
-        ("tests/test_training_units.py::test_no_weight_decay_on_norms_and_embeddings",),
+        ("tests/unit/test_training_units.py::test_no_weight_decay_on_norms_and_embeddings",),
     ),
     Mutant(
         "tp_not_applied",
@@ -110,7 +110,7 @@ MUTANTS = [
         "data/dataloader.py",
         "keep=k % self.dp_degree == self.dp_rank",
         "keep=k % self.dp_degree == max(self.dp_rank - 1, 0)",
-        ("tests/test_data_loader.py::test_rank_slices_partition_global_batch",),
+        ("tests/unit/test_data_loader.py::test_rank_slices_partition_global_batch",),
     ),
     Mutant(
         "hsdp_replicas_not_averaged",
@@ -126,7 +126,7 @@ MUTANTS = [
         "checkpoint/state.py",
         '        lr_scheduler.load_state_dict(sd["lr_scheduler"])\n',
         "        pass\n",
-        ("tests/test_checkpoint.py::test_resume_continues_bit_identically",),
+        ("tests/integration/test_checkpoint.py::test_resume_continues_bit_identically",),
     ),
     Mutant(
         "loader_position_not_restored",
@@ -135,7 +135,7 @@ MUTANTS = [
         '        """Continue from a saved global position (saved at any dp degree)."""\n',
         '        """Continue from a saved global position (saved at any dp degree)."""\n'
         "        return\n",
-        ("tests/test_data_loader.py::test_exact_resume_in_fresh_loader",),
+        ("tests/unit/test_data_loader.py::test_exact_resume_in_fresh_loader",),
     ),
     Mutant(
         "rope_scaling_ignored_for_8b",
@@ -143,7 +143,7 @@ MUTANTS = [
         "models/llama3/__init__.py",
         "        multiple_of=1024,\n        rope_theta=500000,\n        use_scaled_rope=True,\n",
         "        multiple_of=1024,\n        rope_theta=500000,\n        use_scaled_rope=False,\n",
-        ("tests/test_model.py", "tests/test_config.py"),
+        ("tests/unit/test_model.py", "tests/unit/test_config.py"),
     ),
     Mutant(
         "async_copy_not_awaited_before_step",
@@ -151,7 +151,7 @@ MUTANTS = [
         "checkpoint/manager.py",
         "register_step_pre_hook(\n            lambda *_: self.maybe_wait_for_staging()\n",
         "register_step_pre_hook(\n            lambda *_: None\n",
-        ("tests/test_checkpoint.py::test_optimizer_step_waits_for_the_async_copy",),
+        ("tests/integration/test_checkpoint.py::test_optimizer_step_waits_for_the_async_copy",),
     ),
     Mutant(
         "init_seed_depends_on_rank",
@@ -192,7 +192,9 @@ MUTANTS = [
         "parallelisms/tensor_parallel.py",
         "    if missed:\n",
         "    if False:\n",
-        (f"{CONTRACT}::test_tp_plan_gaps_are_named_at_parallelize_time",),
+        (
+            "tests/integration/test_model_contract_runs.py::test_tp_plan_gaps_are_named_at_parallelize_time",
+        ),
     ),
     Mutant(
         "tied_embeddings_in_their_own_fsdp_unit",

@@ -28,18 +28,20 @@ import pytest
 
 os.environ["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
 
-pytest_plugins = ["pytester"]  # tests/test_slurm.py runs inner pytest sessions to prove this
+pytest_plugins = [
+    "pytester"
+]  # tests/integration/test_slurm.py runs inner pytest sessions to prove this
 
-# Skips that are fine under CI: a test id ("tests/test_x.py::test_y", which also covers its
-# parametrizations) or a whole file ("tests/test_x.py"), mapped to why CI cannot run it.
+# Skips that are fine under CI: a test id ("tests/unit/test_x.py::test_y", which also covers its
+# parametrizations) or a whole file ("tests/unit/test_x.py"), mapped to why CI cannot run it.
 CI_ALLOWED_SKIPS: dict[str, str] = {}
 
 # Files whose tests must run under CI, whatever CI_ALLOWED_SKIPS says.
 CI_NEVER_SKIP = (
-    "tests/test_slurm.py",
-    "tests/test_parallel_parity.py",
-    "tests/test_pipeline_parity.py",
-    "tests/test_checkpoint_train.py",
+    "tests/integration/test_slurm.py",
+    "tests/integration/test_parallel_parity.py",
+    "tests/integration/test_pipeline_parity.py",
+    "tests/integration/test_checkpoint_train.py",
 )
 
 _FALSE = {"", "0", "false", "no", "off"}

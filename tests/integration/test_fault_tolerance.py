@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "tests" / "tiny_model.toml"
 COMMON = ["--training.steps", "6", "--training.local_batch_size", "4"]
 

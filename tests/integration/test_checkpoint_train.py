@@ -26,7 +26,7 @@ import torch
 from dist_utils import TINY_SHAPE, Run, launch_many
 from parity import EXACT, FP32, assert_layout, assert_parity
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PRESET = "debug_model"
 SETTINGS = [
     *TINY_SHAPE,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from dist_utils import TINY_SHAPE
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY = [
     "--config",
     "debug_model",

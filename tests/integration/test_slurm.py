@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from dist_utils import TINY_SHAPE
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "multinode_trainer.slurm"
 PACKAGES = ["slurmd", "slurmctld", "slurm-client", "munge"]
 TINY = " ".join(TINY_SHAPE) + (
@@ -319,7 +319,7 @@ INNER_IMPORT = (
 
 
 def _inner(pytester, monkeypatch, ci: str | None, *files: str, extra_conftest: str = ""):
-    pytester.makeconftest(Path(__file__).with_name("conftest.py").read_text() + extra_conftest)
+    pytester.makeconftest((ROOT / "tests" / "conftest.py").read_text() + extra_conftest)
     pytester.makepyfile(test_inner=INNER, test_inner_import=INNER_IMPORT)
     if ci is None:
         monkeypatch.delenv("CI", raising=False)
@@ -374,7 +374,10 @@ def test_under_ci_only_listed_skips_pass_and_never_the_protected_files(pytester,
     result = _inner(pytester, monkeypatch, "true", "test_inner.py", extra_conftest=allow)
     result.assert_outcomes(passed=1, skipped=1, errors=1)
     # the SLURM test and the parity layouts cannot be listed: pytest refuses to start
-    for path in ("tests/test_slurm.py", "tests/test_pipeline_parity.py::test_losses"):
+    for path in (
+        "tests/integration/test_slurm.py",
+        "tests/integration/test_pipeline_parity.py::test_losses",
+    ):
         banned = f'\nCI_ALLOWED_SKIPS["{path}"] = "no"\n'
         result = _inner(pytester, monkeypatch, "true", "test_inner.py", extra_conftest=banned)
         assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str()

@@ -10,7 +10,7 @@ from dist_utils import TINY_SHAPE
 
 from metrics.peak_flops import cpu_bf16_flags
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY = [*TINY_SHAPE, "--training.seq_len", "32", "--training.local_batch_size", "2"]
 
 

@@ -26,7 +26,7 @@ from models.llama3.model import ModelArgs, Transformer
 from parallelisms.init_weights import init_weights
 from training.optimizer import build_lr_scheduler, build_optimizer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 

@@ -15,7 +15,7 @@ from models.llama3.model import Transformer
 
 transformers = pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_script(name: str):

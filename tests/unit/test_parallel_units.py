@@ -1,0 +1,110 @@
+"""Unit checks of the parallelisms on small models, in this process: up-front layout
+validation, activation checkpointing keys and numerics, and scripts/loss_compare.py. The
+checks that need 2 ranks are in tests/integration/test_distributed_units.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from small_model import batch, tiny_model
+
+from job_config import ConfigError, parse_args
+from parallelisms.activation_checkpoint import apply_ac
+from parallelisms.parallel_dims import ParallelismError
+from scripts import loss_compare
+from train import check_config
+from training.loss import cross_entropy_sum
+
+# --- validation before any process group ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "world,argv,expected",
+    [
+        (2, ["--parallelism.tensor_parallel_degree", "2", "--model.n_kv_heads", "1"],
+         "must divide n_kv_heads = 1"),
+        (4, ["--parallelism.tensor_parallel_degree", "4", "--model.n_heads", "6",
+             "--model.dim", "96", "--model.n_kv_heads", "6"], "n_heads = 6, n_kv_heads = 6"),
+        (2, ["--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "33"],
+         "training.seq_len = 33"),
+        (4, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.zero_stage", "1"],
+         "ZeRO-1/2 shard plain replicated parameters"),
+        (4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.zero_stage",
+             "2"], "HSDP (replicate x shard) is ZeRO-3 only"),
+        (2, ["--parallelism.zero_stage", "2", "--training.enable_cpu_offload", "true"],
+         "enable_cpu_offload = true needs FSDP"),
+    ],
+)  # fmt: skip
+def test_impossible_layouts_fail_before_any_work(world, argv, expected):
+    cfg = parse_args(["--config", "tests/tiny_model.toml", *argv])
+    with pytest.raises((ConfigError, ParallelismError), match=re.escape(expected)):
+        check_config(cfg, world)
+
+
+def test_valid_tp_layout_passes_the_checks():
+    cfg = parse_args(["--config", "tests/tiny_model.toml", "--parallelism.tensor_parallel_degree",
+                      "2", "--parallelism.zero_stage", "0"])  # fmt: skip
+    dims = check_config(cfg, 4)
+    assert (dims.dp_shard, dims.tp) == (2, 2)
+
+
+# --- activation checkpointing -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode,option", [("full", "2"), ("selective", "2"), ("selective", "op")])
+def test_ac_keeps_keys_and_numerics(mode, option):
+    ref = tiny_model()
+    model = tiny_model(wrap=lambda m: apply_ac(m, mode, option))
+    wrapped = [k for k, b in model.layers.items() if type(b).__name__ == "CheckpointWrapper"]
+    assert wrapped == (
+        ["1", "3"] if option == "2" and mode == "selective" else ["0", "1", "2", "3"]
+    )
+    assert list(model.state_dict()) == list(ref.state_dict())
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    assert list(get_model_state_dict(model)) == list(ref.state_dict())
+    x, y = batch()
+    for m in (ref, model):
+        cross_entropy_sum(m(x), y).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_ac_op_policy_saves_matmuls_and_recomputes_the_rest():
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from parallelisms.activation_checkpoint import _op_policy
+
+    aten = torch.ops.aten
+    assert _op_policy(None, aten.mm.default) == CheckpointPolicy.MUST_SAVE
+    assert _op_policy(None, aten.mul.Tensor) == CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# --- distributed checks (spawned gloo ranks) ------------------------------------------------
+
+
+# --- scripts/loss_compare.py ------------------------------------------------------------------
+
+
+def _write_run(folder, losses):
+    folder.mkdir()
+    lines = [json.dumps({"step": i + 1, "kind": "train", "loss": v}) for i, v in enumerate(losses)]
+    lines.append(json.dumps({"step": 1, "kind": "validation", "loss": 99.0}))
+    (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_loss_compare_table_and_exit_code(tmp_path, capsys):
+    _write_run(tmp_path / "a", [2.0, 1.5, 1.0])
+    _write_run(tmp_path / "b", [2.0, 1.5, 1.00001])
+    _write_run(tmp_path / "c", [2.0, 1.6])
+    assert loss_compare.read_metric(tmp_path / "a") == {1: 2.0, 2: 1.5, 3: 1.0}
+    assert loss_compare.main([str(tmp_path / "a"), str(tmp_path / "b"), "--rtol", "1e-4"]) == 0
+    out = capsys.readouterr().out
+    assert "largest relative difference of b: 1.000e-05" in out
+    assert loss_compare.main([str(tmp_path / "a"), str(tmp_path / "c"), "--rtol", "1e-4"]) == 1
+    out = capsys.readouterr().out
+    assert "largest relative difference of c: inf" in out and "FAIL" in out
