@@ -83,6 +83,12 @@ def check_config(cfg: JobConfig, world_size: int) -> ParallelDims:
         spec = get_model_spec(cfg.model.name)
         for problem in spec.validate(cfg, args) if spec.validate else []:
             problems.add(ParallelismError(problem))
+        if p.expert_parallel_degree > 1 and spec.routing is None:
+            problems.add(
+                f"parallelism.expert_parallel_degree = {p.expert_parallel_degree}: model.name = "
+                f"'{cfg.model.name}' has no experts. Use a mixture-of-experts family (qwen3_moe) "
+                "or expert_parallel_degree = 1."
+            )
         problems.run(
             validate_pipeline_config,
             p,

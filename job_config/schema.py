@@ -60,6 +60,14 @@ class Model:
     n_layers: int = opt(0, "Override the flavor's number of layers (0 = the flavor's)", ge=0)
     n_heads: int = opt(0, "Override the flavor's attention heads (0 = the flavor's)", ge=0)
     n_kv_heads: int = opt(0, "Override the flavor's key/value heads (0 = the flavor's)", ge=0)
+    # Mixture-of-experts options (families with experts; -1 = the flavor's value).
+    moe_aux_loss_coeff: float = opt(
+        -1.0, "MoE load-balancing loss weight over the global micro-batch (0 = off)", ge=-1
+    )
+    moe_bias_update_rate: float = opt(
+        -1.0, "MoE aux-loss-free balancing: per-step bias change (DeepSeek-V3; 0 = off)", ge=-1
+    )
+    moe_z_loss_coeff: float = opt(-1.0, "MoE router z-loss weight (0 = off)", ge=-1)
     rope_scaling: Literal["flavor", "none", "llama3"] = opt(
         "flavor",
         "RoPE frequency scaling: flavor = the flavor's (Llama 3.1's llama3 scaling for 8B, "
@@ -134,6 +142,9 @@ class Parallelism:
     )
     tensor_parallel_degree: int = opt(1, "Tensor-parallel degree", ge=1)
     context_parallel_degree: int = opt(1, "Context-parallel degree (reserved: must be 1)", ge=1)
+    expert_parallel_degree: int = opt(
+        1, "Expert-parallel degree: MoE experts split over this many FSDP shard ranks", ge=1
+    )
     pipeline_parallel_degree: int = opt(1, "Pipeline-parallel degree", ge=1)
     zero_stage: int = opt(
         3,
@@ -218,6 +229,9 @@ class Metrics:
     log_freq: int = opt(10, "Log metrics every this many steps", ge=1)
     enable_tensorboard: bool = opt(True, "Write TensorBoard event files")
     save_tb_folder: str = opt("tb", "TensorBoard folder, relative to job.dump_folder")
+    moe_idle_warn_steps: int = opt(
+        100, "MoE: warn when an expert has received no token for this many steps", ge=1
+    )
 
 
 @dataclass

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from models import qwen3
+from models import qwen3, qwen3_moe
 from models.llama3 import Transformer, llama3_flavors
 from models.llama3 import hf as llama3_hf
 from models.qwen3 import hf as qwen3_hf
@@ -60,6 +60,23 @@ class HFAdapter:
 
 
 @dataclass(frozen=True)
+class RoutingHooks:
+    """For a family whose layers keep training-time routing state (mixture of experts); the
+    trainer calls them with this rank's model parts."""
+
+    # (model_parts, scale): the factor the trainer divides token-loss sums by (1 / tokens per
+    # rank and optimizer step), for losses the layers add themselves (load balancing)
+    set_loss_scale: Callable[[list, float], None]
+    after_optimizer_step: Callable[[list], None]  # on the device, no host sync
+    # per layer key, the last step's statistics (a host sync: log steps only)
+    layer_stats: Callable[[list], dict[str, dict[str, float]]]
+    # (every stage's layer stats, warn after this many idle steps) -> (record, warnings)
+    summarize: Callable[[dict, int], tuple[dict[str, float], list[str]]]
+    # (meta model) -> parameters one token uses, without the embeddings: the FLOPs convention
+    active_params: Callable[[Any], int]
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     name: str
     model_cls: type
@@ -70,6 +87,7 @@ class ModelSpec:
     # (args, seq_len, batch, tp) -> bytes one block saves for backward, for the estimator
     block_activation_bytes: Callable[[Any, int, int, int], float] | None = None
     hf: HFAdapter | None = None  # Hugging Face conversion
+    routing: RoutingHooks | None = None  # mixture-of-experts families
 
 
 def _llama3_parallelize(*args, **kwargs):
@@ -167,12 +185,15 @@ def get_model_spec(name: str) -> ModelSpec:
 
 
 SHAPE_OVERRIDES = ("dim", "n_layers", "n_heads", "n_kv_heads")
+# mixture-of-experts options, -1 = the flavor's value (families without experts reject them)
+MOE_OVERRIDES = ("moe_aux_loss_coeff", "moe_bias_update_rate", "moe_z_loss_coeff")
 
 
-def arg_overrides(model_cfg) -> dict[str, int | bool]:
-    """The `[model]` overrides that are set (shapes non-zero, rope_scaling not 'flavor'), for
-    `build_model_args`."""
+def arg_overrides(model_cfg) -> dict[str, int | float | bool]:
+    """The `[model]` overrides that are set (shapes non-zero, MoE options not -1, rope_scaling
+    not 'flavor'), for `build_model_args`."""
     out = {k: getattr(model_cfg, k) for k in SHAPE_OVERRIDES if getattr(model_cfg, k, 0)}
+    out |= {k: getattr(model_cfg, k) for k in MOE_OVERRIDES if getattr(model_cfg, k, -1) >= 0}
     if model_cfg.rope_scaling != "flavor":
         out["use_scaled_rope"] = model_cfg.rope_scaling == "llama3"
     return out
@@ -230,5 +251,31 @@ register(
             qwen3_hf.to_hf,
             qwen3_hf.from_hf,
         ),  # fmt: skip
+    )
+)
+
+
+def _qwen3_moe_routing() -> RoutingHooks:
+    from models.qwen3_moe import routing
+
+    return RoutingHooks(
+        routing.set_loss_scale,
+        routing.after_optimizer_step,
+        routing.layer_stats,
+        routing.summarize,
+        routing.active_params,
+    )
+
+
+register(
+    ModelSpec(
+        "qwen3_moe",
+        qwen3_moe.Qwen3MoE,
+        qwen3_moe.flavors,
+        qwen3_moe.parallelize,
+        qwen3_moe.pipeline,
+        qwen3_moe.validate,
+        qwen3_moe.block_activation_bytes,
+        routing=_qwen3_moe_routing(),
     )
 )

@@ -18,11 +18,12 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from parallelisms.parallel_dims import ParallelDims
 
 
-def fsdp_mesh(parallel_dims: ParallelDims) -> DeviceMesh:
-    """The mesh FSDP shards over: 2-D ("dp_replicate", "dp_shard") for HSDP, else 1-D."""
-    names = parallel_dims.mesh.mesh_dim_names or ()
-    dp_names = tuple(n for n in ("dp_replicate", "dp_shard") if n in names)
-    return parallel_dims.mesh[dp_names]
+def fsdp_mesh(parallel_dims: ParallelDims, shard_dim: str = "dp_shard") -> DeviceMesh:
+    """The mesh FSDP shards over: 2-D ("dp_replicate", `shard_dim`) for HSDP, else 1-D.
+    `shard_dim` "dp_shard_mod_ep": the experts' mesh under expert parallelism."""
+    if parallel_dims.dp_replicate > 1:
+        return parallel_dims.mesh[("dp_replicate", shard_dim)]
+    return parallel_dims.dim(shard_dim)
 
 
 @dataclass
@@ -33,7 +34,12 @@ class FsdpUnit:
     (final norm and output projection). Tied parameters must sit in one unit."""
 
     modules: list[nn.Module]
-    role: Literal["input", "block", "output"]
+    role: Literal["input", "block", "output", "experts"]
+    # "experts" units (inside a block, sharded before it): the expert-parallel experts, sharded
+    # over `mesh` (the ranks outside EP); their gradients hold the sum over the EP ranks'
+    # tokens, so the reduction divides by `gradient_divide_factor` (the whole DP degree).
+    mesh: DeviceMesh | None = None
+    gradient_divide_factor: float | None = None
 
 
 def embed_blocks_head_units(
@@ -88,7 +94,11 @@ def apply_fsdp(
         modules = unit.modules if len(unit.modules) > 1 else unit.modules[0]
         is_last = unit is last_block
         reshard = _reshard_unit(unit.role, is_last, reshard_after_forward, pp_enabled)
-        fully_shard(modules, reshard_after_forward=reshard, **kwargs)
+        fully_shard(
+            modules, reshard_after_forward=reshard, **{**kwargs, "mesh": unit.mesh or dp_mesh}
+        )
+        if unit.gradient_divide_factor is not None:
+            _divide_gradients_by(modules, unit.mesh or dp_mesh, unit.gradient_divide_factor)
         if unit.role == "input" and all(isinstance(m, nn.Embedding) for m in unit.modules):
             _no_regather_in_backward(unit.modules)
     # The root holds no parameters of its own now; it runs FSDP's lazy init and waits for the
@@ -106,11 +116,21 @@ def _reshard_unit(role: str, last_block: bool, mode: str, pp_enabled: bool) -> b
         # Used first in forward and last in backward: freed after forward, so a large
         # vocabulary is not held gathered through the whole step.
         return always or default
-    if role == "block":
+    if role in ("block", "experts"):
         return always or (default and not last_block)
     # Output: used last in forward and first in backward, so kept gathered between the two
     # (no re-gather), freed after its backward.
     return always
+
+
+def _divide_gradients_by(module: nn.Module, mesh: DeviceMesh, factor: float) -> None:
+    """The unit's reduced gradients are divided by `factor` instead of the FSDP group size.
+    Over several shard ranks they are summed, then divided (gloo has no PREMUL_SUM, which FSDP2
+    would use otherwise). Over one shard rank no reduce-scatter runs and FSDP2 divides the
+    copy it makes by `factor`; forcing a sum there would divide a second time (torch 2.13)."""
+    module.set_gradient_divide_factor(factor)
+    if mesh.size(mesh.ndim - 1) > 1 and hasattr(module, "set_force_sum_reduction_for_comms"):
+        module.set_force_sum_reduction_for_comms(True)
 
 
 def _no_regather_in_backward(embeddings: list[nn.Module]) -> None:

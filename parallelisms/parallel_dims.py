@@ -4,6 +4,16 @@ Mesh dimensions, outermost first: "pp", "dp_replicate", "dp_shard", "tp" (size-1
 are left out). Flattened views the rest of the system uses:
   "dp"           = dp_replicate x dp_shard: data loading ranks and loss averaging
   "dp_shard_tp"  = dp_shard x tp: where parameters are sharded (FSDP over TP-sharded params)
+
+Expert parallelism (ep > 1) draws its ranks from the data-parallel shard ranks: "dp_shard" is
+built as ("dp_shard_mod_ep", "ep") and flattened back to "dp_shard", so every dense
+parallelism sees the same "dp_shard" (and "dp", "dp_shard_tp") as without EP. "ep" is the
+inner of the two: the EP ranks are neighbours (one node at ep x tp <= 8 GPUs per node), where
+the all-to-alls, the heaviest traffic of an MoE step, run on the fastest links. Why the data
+ranks: EP ranks must hold different tokens (each sends its own to the experts' owners), which
+data-parallel ranks do and TP ranks (which share their tokens) do not. The experts are then
+sharded by FSDP over "dp_shard_mod_ep" (kept in the mesh even at size 1, so the experts always
+have that mesh), the dense weights over all of "dp_shard".
 """
 
 from __future__ import annotations
@@ -19,6 +29,14 @@ from job_config.loader import Problems
 logger = logging.getLogger("meshtrain")
 
 
+# Flattened dimensions and the mesh dimensions they join (those present, in this order).
+_FLATTENED = {
+    "dp_shard": ("dp_shard_mod_ep", "ep"),
+    "dp": ("dp_replicate", "dp_shard_mod_ep", "ep", "dp_shard"),
+    "dp_shard_tp": ("dp_shard_mod_ep", "ep", "dp_shard", "tp"),
+}
+
+
 class ParallelismError(ValueError):
     """An impossible layout, reported before any process-group work."""
 
@@ -31,6 +49,7 @@ class ParallelDims:
     pp: int
     world_size: int
     zero_stage: int = 3
+    ep: int = 1
     mesh: DeviceMesh | None = field(default=None, repr=False)
 
     @classmethod
@@ -43,6 +62,7 @@ class ParallelDims:
         tp: int,
         pp: int,
         zero_stage: int = 3,
+        ep: int = 1,
     ) -> ParallelDims:
         """Resolves dp_shard = -1 and checks that the degrees multiply to the world size;
         raises every problem found at once."""
@@ -79,8 +99,20 @@ class ParallelDims:
                 "ZeRO-1/2 shard plain replicated parameters, not TP-sharded ones. Use "
                 "zero_stage = 3 (FSDP over TP) or 0 (DDP over TP)."
             )
+        if ep > 1 and dp_shard != -1 and dp_shard % ep:
+            problems.add(
+                f"parallelism.expert_parallel_degree = {ep} must divide the data-parallel shard "
+                f"degree {dp_shard} (EP ranks are drawn from the FSDP shard ranks). Choose an "
+                "EP degree that divides it, or more ranks."
+            )
+        if ep > 1 and zero_stage != 3:
+            problems.add(
+                f"parallelism.expert_parallel_degree = {ep} with zero_stage = {zero_stage}: "
+                "expert parallelism shards the experts with FSDP2 over the ranks outside EP. "
+                "Use zero_stage = 3."
+            )
         problems.raise_any()
-        return cls(dp_replicate, dp_shard, tp, pp, world_size, zero_stage)
+        return cls(dp_replicate, dp_shard, tp, pp, world_size, zero_stage, ep)
 
     @classmethod
     def from_parallelism(cls, parallelism, world_size: int) -> ParallelDims:
@@ -93,6 +125,7 @@ class ParallelDims:
             tp=p.tensor_parallel_degree,
             pp=p.pipeline_parallel_degree,
             zero_stage=p.zero_stage,
+            ep=p.expert_parallel_degree,
         )
 
     @property
@@ -111,34 +144,34 @@ class ParallelDims:
     def pp_enabled(self) -> bool:
         return self.pp > 1
 
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """One `init_device_mesh` call for all named dimensions, plus the flattened views."""
-        dims = [
-            ("pp", self.pp),
-            ("dp_replicate", self.dp_replicate),
-            ("dp_shard", self.dp_shard),
-            ("tp", self.tp),
-        ]
-        names = tuple(n for n, d in dims if d > 1) or ("dp_shard",)
-        shape = tuple(d for n, d in dims if d > 1) or (1,)
+        shard = [("dp_shard", self.dp_shard)]
+        if self.ep_enabled:
+            shard = [("dp_shard_mod_ep", self.dp_shard // self.ep), ("ep", self.ep)]
+        dims = [("pp", self.pp), ("dp_replicate", self.dp_replicate), *shard, ("tp", self.tp)]
+        keep = {"dp_shard_mod_ep"} if self.ep_enabled else set()
+        names = tuple(n for n, d in dims if d > 1 or n in keep) or ("dp_shard",)
+        shape = tuple(d for n, d in dims if d > 1 or n in keep) or (1,)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-        dp_names = tuple(n for n in ("dp_replicate", "dp_shard") if n in names)
-        if len(dp_names) > 1:
-            mesh[dp_names]._flatten("dp")
-        shard_tp = tuple(n for n in ("dp_shard", "tp") if n in names)
-        if len(shard_tp) > 1:
-            mesh[shard_tp]._flatten("dp_shard_tp")
+        for flat, parts in _FLATTENED.items():
+            present = tuple(n for n in parts if n in names)
+            if len(present) > 1:
+                mesh[present]._flatten(flat)
         self.mesh = mesh
         return mesh
 
     def dim(self, name: str) -> DeviceMesh | None:
         """The sub-mesh of a (possibly flattened) dimension, or None when it has size 1."""
         assert self.mesh is not None, "call build_mesh() first"
-        alias = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_tp": ("dp_shard", "tp")}
         present = self.mesh.mesh_dim_names or ()
         if name in present:
             return self.mesh[name]
-        parts = [p for p in alias.get(name, ()) if p in present]
+        parts = [p for p in _FLATTENED.get(name, ()) if p in present]
         if len(parts) == 1:
             return self.mesh[parts[0]]
         if len(parts) > 1:
@@ -153,7 +186,7 @@ class ParallelDims:
         return sub.get_local_rank(), sub.size()
 
     def describe(self) -> str:
-        parts = [f"{n}={getattr(self, n)}" for n in ("pp", "dp_replicate", "dp_shard", "tp")]
+        parts = [f"{n}={getattr(self, n)}" for n in ("pp", "dp_replicate", "dp_shard", "tp", "ep")]
         return f"world={self.world_size} " + " ".join(parts) + f" zero_stage={self.zero_stage}"
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from parallelisms.parallel_dims import ParallelismError
@@ -42,6 +42,24 @@ def check_tp(n_heads: int, n_kv_heads: int, seq_len: int, tp: int) -> None:
 # A plan value that replicates a module's parameters on the TP mesh (no sharding, no layout
 # change of its inputs/outputs): for small parameters that each rank needs whole.
 REPLICATE = "replicate"
+
+
+class ReplicateParallel(ParallelStyle):
+    """A module whose parameters every TP rank keeps whole and whose (plain, identical across
+    the TP ranks) inputs it runs on: parameters replicated on the TP mesh, inputs wrapped as
+    replicated DTensors, outputs returned as plain tensors (a router on the tokens the TP ranks
+    share, say). Its gradients are then equal on every TP rank, as its inputs are."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def wrap(_, inputs, mesh):
+            return tuple(
+                DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs
+            )
+
+        def unwrap(_, output, mesh):
+            return output.to_local()
+
+        return distribute_module(module, device_mesh, input_fn=wrap, output_fn=unwrap)
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,7 @@ class Run:
     snapshot: MemorySnapshot
     phases: PhaseTimer
     rss_before_model: float | None  # CPU: the process's peak RSS before the model existed
+    routing: object | None = None  # models.RoutingHooks of an MoE family
     # derived from the above:
     params: list[torch.Tensor] = field(init=False)  # this rank's, for the gradient-norm clip
     pp_group: dist.ProcessGroup | None = field(init=False)  # the norm's sum over the stages
@@ -183,6 +184,8 @@ def optimizer_step(run: Run) -> tuple[torch.Tensor, float]:
     """Clip, step, advance the LR schedule and the profilers; (gradient norm, the step's LR)."""
     grad_norm = clip_grad_norm_(run.params, run.cfg.training.max_norm, run.pp_group)
     run.optimizer.step()  # waits first for an async save's copy (the checkpointer's hook)
+    if run.routing is not None:  # MoE: the step's expert loads, the balancing bias
+        run.routing.after_optimizer_step(run.setup.model_parts)
     if run.state.step == run.first_step:  # grads and optimizer state both exist only now
         log_memory(run)
     step_lr = run.lr_scheduler.get_last_lr()[0]  # the LR this step used
@@ -222,6 +225,20 @@ def log_window(run: Run, loss: torch.Tensor, grad_norm: torch.Tensor, step_lr: f
     run.metrics.log(step, record)
     run.window = LogWindow()
     return record
+
+
+def log_router(run: Run) -> None:
+    """The MoE layers' statistics of the step (`kind: "router"`), from every pipeline stage,
+    and a warning for experts that went without tokens for `metrics.moe_idle_warn_steps`."""
+    per_layer = run.routing.layer_stats(run.setup.model_parts)
+    if run.pp_group is not None:
+        stages = [None] * dist.get_world_size(run.pp_group)
+        dist.all_gather_object(stages, per_layer, group=run.pp_group)
+        per_layer = {k: v for stage in stages for k, v in stage.items()}
+    record, warnings = run.routing.summarize(per_layer, run.cfg.metrics.moe_idle_warn_steps)
+    run.metrics.log(run.state.step, record, kind="router")
+    for warning in warnings if run.rank == 0 else ():
+        logger.warning(warning)
 
 
 def maybe_validate(run: Run) -> None:
@@ -275,6 +292,8 @@ def train_loop(run: Run, stop) -> None:
         run.window.add(time.perf_counter() - t0, t_data)
         if log_now:
             record = log_window(run, loss, grad_norm, step_lr)
+            if run.routing is not None:
+                log_router(run)
             run.non_finite.check(
                 f" (loss {record['loss']}, grad_norm {record['grad_norm']}); stopping without "
                 "saving. Lower optimizer.lr, check the data, or raise warmup."

@@ -148,7 +148,12 @@ def build_model(cfg, parallel_dims, model_args, device, loss_fn, rank):
     and written; and the whole model's parameter counts, all and without the embedding, taken
     from the meta model before the pipeline split or sharding leaves a rank only its part."""
     model = meta_model(cfg, model_args)
-    n_params, n_no_emb = count_params(model), count_params(model, exclude_embedding=True)
+    routing = get_model_spec(cfg.model.name).routing
+    n_params = count_params(model)
+    # FLOPs per token count the parameters a token uses: an MoE token uses top_k experts.
+    n_no_emb = (
+        routing.active_params(model) if routing else count_params(model, exclude_embedding=True)
+    )
     built = build_model_parts(cfg, parallel_dims, model_args, device, loss_fn, model=model)
     layout = built_layout(built[0], parallel_dims, built[1])
     if rank == 0:
@@ -304,6 +309,9 @@ def build_run(cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, local_r
     setup = build_step_setup(
         cfg, parallel_dims, device, built, step_loss, batches.tokens_per_rank_step
     )
+    routing = get_model_spec(cfg.model.name).routing
+    if routing is not None:  # the layers' own losses are token sums, scaled as step_loss's
+        routing.set_loss_scale(model_parts, 1.0 / batches.tokens_per_rank_step)
     loss_replicas = parallel_dims.world_size // parallel_dims.pp  # ranks per loss value x DP
     set_collective_timeout(cfg.comm.train_timeout_seconds)
     metrics, profiler, snapshot, phases = build_observers(cfg, rank, device, state.step)
@@ -329,6 +337,7 @@ def build_run(cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, local_r
         snapshot=snapshot,
         phases=phases,
         rss_before_model=rss_before_model,
+        routing=routing,
     )
 
 

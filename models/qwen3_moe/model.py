@@ -1,0 +1,284 @@
+"""Qwen3-MoE in plain PyTorch: no parallelism, no trainer imports.
+
+Attention is Qwen3's (QK-norm, explicit head_dim, rotate-half RoPE); every block's
+feed-forward is a mixture of experts (`MoE`): a linear router over E SwiGLU experts,
+token-choice top-k on the softmax scores, the k weights renormalised to sum to one
+(`norm_topk_prob`, as the published Qwen3-MoE models), and **dropless**: every token reaches
+its k experts, there is no capacity factor, so the result of a token never depends on which
+other tokens share its batch or its rank.
+
+Load balancing, all optional:
+- the auxiliary loss (Switch Transformer): coeff x E x sum_i f_i P_i, f_i the share of the
+  routed tokens that chose expert i, P_i the mean router probability of expert i. Both are
+  taken over the *global* micro-batch (every data-parallel rank's tokens of one micro-step),
+  through `MoE.reduce_stats`, which a parallelism sets to a sum over the data-parallel ranks
+  (identity on one process). Each rank back-propagates its own tokens' share of it, so the
+  gradients summed over the ranks are those of one process holding the whole micro-batch;
+- the auxiliary-loss-free bias (DeepSeek-V3): a per-expert `expert_bias` added to the scores
+  for choosing the top-k only (the weights stay the softmax scores), moved after every
+  optimizer step by `update_rate` toward balance, from the step's global expert counts;
+- the router z-loss (ST-MoE): coeff x logsumexp(router logits)^2 per token.
+The auxiliary terms are sums over tokens scaled by `MoE.loss_scale`, the factor the trainer
+divides its token-loss sum by, and reach the gradients through `AuxLossGrad` (the block's
+output carries their gradient; the value is logged, not added to the language-model loss).
+
+Expert compute (`GroupedExperts`): one grouped matmul over experts (`torch._grouped_mm` where
+the device and dtype have it, else one padded batched matmul), or a per-expert loop, the
+reference the tests compare against. A parallelism may hand `GroupedExperts.forward` its
+tokens already exchanged and the weights of the experts it holds (`weights=`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.qwen3.model import Attention, rope_table
+
+
+@dataclass
+class Qwen3MoEArgs:
+    dim: int = 2048
+    n_layers: int = 48
+    n_heads: int = 32
+    n_kv_heads: int = 4
+    head_dim: int = 128
+    vocab_size: int = 151936
+    norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    tie_embeddings: bool = False
+    max_seq_len: int = 4096
+    n_experts: int = 128
+    top_k: int = 8
+    moe_ffn_dim: int = 768  # each expert's SwiGLU hidden size
+    norm_topk_prob: bool = True
+    moe_aux_loss_coeff: float = 0.001  # Qwen3-MoE's router_aux_loss_coef; 0 = off
+    moe_bias_update_rate: float = 0.0  # aux-loss-free balancing step (DeepSeek-V3: 1e-3); 0 = off
+    moe_z_loss_coeff: float = 0.0  # router z-loss (ST-MoE: 1e-3); 0 = off
+    moe_grouped_mm: bool = True  # False: the per-expert loop (the reference)
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.head_dim % 2:
+            problems.append(f"head_dim = {self.head_dim} is odd (RoPE rotates pairs)")
+        if self.n_heads % self.n_kv_heads:
+            problems.append(
+                f"n_heads = {self.n_heads} is not a multiple of n_kv_heads = {self.n_kv_heads}"
+            )
+        if not 1 <= self.top_k <= self.n_experts:
+            problems.append(f"top_k = {self.top_k} must be in 1..n_experts = {self.n_experts}")
+        if problems:
+            raise ValueError("model shape: " + "; ".join(problems) + ".")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads
+
+    @property
+    def active_experts_share(self) -> float:
+        return self.top_k / self.n_experts
+
+
+class AuxLossGrad(torch.autograd.Function):
+    """Returns `x` unchanged; in backward, also gives `aux` (a scalar already scaled as the
+    loss it belongs to) the gradient 1, so an auxiliary loss computed inside the model trains
+    without being added to the loss the trainer sees (Megatron's MoEAuxLossAutoScaler). Works
+    on every pipeline stage: each stage's backward starts from its own output."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.aux_shape = aux.shape
+        ctx.aux_dtype = aux.dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.ones(ctx.aux_shape, dtype=ctx.aux_dtype, device=grad.device)
+
+
+def _grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """x [N, K] (rows sorted by expert, counts[e] rows for expert e) @ w[e] [K, M] -> [N, M]."""
+    w = w.to(x.dtype)
+    grouped = getattr(torch, "_grouped_mm", None)
+    if grouped is not None and (x.device.type == "cpu" or x.dtype == torch.bfloat16):
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        return grouped(x, w, offs=offs)
+    # One batched matmul over experts, each padded to the largest expert's rows.
+    n_experts = w.shape[0]
+    expert = torch.repeat_interleave(torch.arange(n_experts, device=x.device), counts)
+    starts = torch.cumsum(counts, 0) - counts
+    pos = torch.arange(x.shape[0], device=x.device) - starts[expert]
+    cap = int(counts.max()) if x.shape[0] else 0
+    padded = x.new_zeros(n_experts, cap, x.shape[1])
+    padded[expert, pos] = x
+    return torch.bmm(padded, w)[expert, pos]
+
+
+def expert_swiglu(x, counts, w1, w2, w3, grouped: bool = True) -> torch.Tensor:
+    """SwiGLU of each expert over its rows of `x`: w2(silu(w1 x) * w3 x), the weights [E, out,
+    in] as Hugging Face's per-expert linears. `grouped` False: one matmul per expert."""
+    if grouped:
+        h = F.silu(_grouped_matmul(x, w1.mT, counts)) * _grouped_matmul(x, w3.mT, counts)
+        return _grouped_matmul(h, w2.mT, counts)
+    out, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        rows = x[start : start + n]
+        out.append(F.linear(F.silu(F.linear(rows, w1[e])) * F.linear(rows, w3[e]), w2[e]))
+        start += n
+    return torch.cat(out) if out else x.new_zeros(0, w2.shape[1])
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts stored as three [E, out, in] tensors."""
+
+    def __init__(self, n_experts: int, dim: int, hidden: int, grouped: bool = True):
+        super().__init__()
+        self.grouped = grouped
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))  # gate_proj
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))  # down_proj
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))  # up_proj
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, weights=None) -> torch.Tensor:
+        """x [N, dim], rows sorted by expert with `counts` rows each -> [N, dim]. `weights`:
+        (w1, w2, w3) of the experts `counts` covers, when a parallelism holds only some."""
+        w1, w2, w3 = weights if weights is not None else (self.w1, self.w2, self.w3)
+        return expert_swiglu(x, counts, w1, w2, w3, self.grouped)
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass (activation checkpointing recomputes forward
+    there): the routing statistics are then not counted a second time."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class MoE(nn.Module):
+    """Router + experts, dropless token-choice top-k (see the module doc)."""
+
+    def __init__(self, args: Qwen3MoEArgs):
+        super().__init__()
+        self.n_experts, self.top_k = args.n_experts, args.top_k
+        self.norm_topk_prob = args.norm_topk_prob
+        self.aux_coeff, self.z_coeff = args.moe_aux_loss_coeff, args.moe_z_loss_coeff
+        self.bias_rate = args.moe_bias_update_rate
+        self.router = nn.Linear(args.dim, args.n_experts, bias=False)
+        self.experts = GroupedExperts(
+            args.n_experts, args.dim, args.moe_ffn_dim, args.moe_grouped_mm
+        )
+        # Aux-loss-free balancing bias (a checkpointed buffer, not a parameter: no gradient).
+        self.register_buffer("expert_bias", torch.zeros(args.n_experts), persistent=True)
+        # Since the last optimizer step: global tokens per expert and the aux loss's value.
+        self.register_buffer("tokens_per_expert", torch.zeros(args.n_experts), persistent=False)
+        self.register_buffer("aux_loss_sum", torch.zeros(()), persistent=False)
+        self.reduce_stats = None  # set by a parallelism: sums a float64 vector over DP ranks
+        self.loss_scale = 1.0  # set by the trainer: 1 / its token-loss normaliser
+
+    def route(self, x: torch.Tensor):
+        """(router logits fp32 [T, E], scores [T, E], chosen experts [T, k], weights [T, k])."""
+        logits = self.router(x).float()
+        scores = logits.softmax(dim=-1)
+        chosen = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices
+        weights = scores.gather(-1, chosen)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return logits, scores, chosen, weights
+
+    def global_stats(self, chosen: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """[2, E] float64: tokens per expert and summed router probabilities over the global
+        micro-batch (this rank's when no parallelism set `reduce_stats`)."""
+        counts = torch.bincount(chosen.flatten(), minlength=self.n_experts)
+        stats = torch.stack([counts.double(), scores.detach().sum(0).double()])
+        return self.reduce_stats(stats) if self.reduce_stats is not None else stats
+
+    def aux_loss(self, logits, scores, stats) -> torch.Tensor:
+        """This rank's share of the auxiliary losses (token sums x `loss_scale`); also counts
+        the global micro-batch's load-balancing loss for the logs."""
+        counts, prob_sums = stats[0], stats[1]
+        tokens = counts.sum() / self.top_k  # global tokens of the micro-batch
+        f = (counts / (self.top_k * tokens)).float()
+        aux = logits.new_zeros(())
+        if self.aux_coeff > 0:
+            aux = aux + self.aux_coeff * self.n_experts * (f * scores.sum(0)).sum()
+            if not _in_backward():
+                global_aux = self.n_experts * (f * (prob_sums / tokens).float()).sum()
+                self.aux_loss_sum += self.aux_coeff * global_aux.detach()
+        if self.z_coeff > 0:
+            aux = aux + self.z_coeff * torch.logsumexp(logits, dim=-1).square().sum()
+        return aux * self.loss_scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        logits, scores, chosen, weights = self.route(x)
+        if self.training:
+            stats = self.global_stats(chosen, scores)
+            if not _in_backward():
+                self.tokens_per_expert += stats[0].float()
+        # Sort the (token, choice) pairs by expert; stable, so the order is the layout's own.
+        flat = chosen.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.n_experts)
+        y = self.experts(x[order // self.top_k], counts)
+        y = y[torch.argsort(order)].view(-1, self.top_k, shape[-1])
+        out = (y * weights.unsqueeze(-1).to(y.dtype)).sum(dim=1).view(shape)
+        if self.training and (self.aux_coeff > 0 or self.z_coeff > 0):
+            out = AuxLossGrad.apply(out, self.aux_loss(logits, scores, stats))
+        return out
+
+
+class Block(nn.Module):
+    def __init__(self, args: Qwen3MoEArgs):
+        super().__init__()
+        self.attention = Attention(args)
+        self.moe = MoE(args)
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.moe(self.ffn_norm(h))
+
+
+class Qwen3MoE(nn.Module):
+    def __init__(self, args: Qwen3MoEArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.register_buffer("rope", rope_table(args), persistent=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    def moe_layers(self) -> dict[str, MoE]:
+        return {key: block.moe for key, block in self.layers.items()}
+
+    def init_buffers(self, device: torch.device | str) -> None:
+        self.rope = rope_table(self.args, torch.device(device))
+        for moe in self.moe_layers().values():
+            moe.expert_bias.zero_()
+            moe.tokens_per_expert.zero_()
+            moe.aux_loss_sum.zero_()
+
+    def init_param(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+        """Unit norm weights; every matrix, router and experts included, a normal of std 0.02
+        cut at 3 std (Hugging Face's initialisation)."""
+        if name.endswith("norm.weight"):
+            tensor.fill_(1.0)
+        elif name.endswith((".weight", ".w1", ".w2", ".w3")):
+            nn.init.trunc_normal_(tensor, std=0.02, a=-0.06, b=0.06, generator=generator)
+        else:
+            raise ValueError(f"init_param: no initialisation rule for parameter '{name}'")

@@ -1,0 +1,95 @@
+"""The MoE layers' training-time state, for the trainer's `models.RoutingHooks`: the loss scale
+of the auxiliary losses, the aux-loss-free bias update after each optimizer step, and the
+router statistics of the step that the metrics log.
+
+Everything here runs on the device without a host sync, except `layer_stats` (log steps only).
+The expert counts the MoE layers accumulate are already global (summed over the data-parallel
+ranks in forward), so every rank holding a layer moves its bias identically.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.qwen3_moe.model import MoE
+
+
+def moe_layers(model_parts: list[nn.Module]) -> dict[str, MoE]:
+    """This rank's MoE layers by block key ("3" for model.layers["3"])."""
+    out = {}
+    for part in model_parts:
+        for key, block in part.layers.items():
+            out[key] = next(m for m in block.modules() if isinstance(m, MoE))
+    return out
+
+
+def set_loss_scale(model_parts: list[nn.Module], scale: float) -> None:
+    for moe in moe_layers(model_parts).values():
+        moe.loss_scale = scale
+
+
+@torch.no_grad()
+def after_optimizer_step(model_parts: list[nn.Module]) -> None:
+    """Keeps the step's counts for the logs, moves each bias toward balance (DeepSeek-V3:
+    b_i += rate x sign(mean load - load_i)), and starts the next step's counts."""
+    for moe in moe_layers(model_parts).values():
+        counts = moe.tokens_per_expert
+        moe.last_counts = counts.clone()
+        moe.last_aux = moe.aux_loss_sum.clone()
+        idle = getattr(moe, "idle_steps", torch.zeros_like(counts))
+        moe.idle_steps = torch.where(counts == 0, idle + 1, torch.zeros_like(idle))
+        if moe.bias_rate > 0:
+            moe.expert_bias += moe.bias_rate * torch.sign(counts.mean() - counts)
+        counts.zero_()
+        moe.aux_loss_sum.zero_()
+
+
+def layer_stats(model_parts: list[nn.Module]) -> dict[str, dict[str, float]]:
+    """Per layer, of the last optimizer step: the most and least loaded expert over the mean
+    load, the load-balancing loss (summed over the step's micro-batches), the largest bias,
+    and the longest run of steps any expert went without a token."""
+    out = {}
+    for key, moe in moe_layers(model_parts).items():
+        counts = getattr(moe, "last_counts", None)
+        if counts is None:
+            continue
+        mean = counts.mean().clamp_min(1e-9)
+        values = torch.stack([
+            counts.max() / mean, counts.min() / mean, moe.last_aux.float(),
+            moe.expert_bias.abs().max(), moe.idle_steps.max(),
+        ]).tolist()  # fmt: skip
+        out[key] = dict(zip(("max_load", "min_load", "aux_loss", "bias_drift", "idle"), values))
+    return out
+
+
+def summarize(per_layer: dict[str, dict[str, float]], idle_warn_steps: int):
+    """(metrics record, warnings) from every stage's `layer_stats`."""
+    if not per_layer:
+        return {}, []
+    layers = per_layer.values()
+    record = {
+        "max_load": max(s["max_load"] for s in layers),
+        "min_load": min(s["min_load"] for s in layers),
+        "aux_loss": sum(s["aux_loss"] for s in layers),
+        "bias_drift": max(s["bias_drift"] for s in layers),
+        "idle_steps": max(s["idle"] for s in layers),
+    }
+    idle = sorted((k for k, s in per_layer.items() if s["idle"] >= idle_warn_steps), key=int)
+    warnings = []
+    if idle:
+        warnings.append(
+            f"MoE: an expert of layer(s) {', '.join(idle)} has received no token for "
+            f"{idle_warn_steps} or more steps (a dead expert): raise the load-balancing "
+            "(model.moe_aux_loss_coeff or model.moe_bias_update_rate) or lower the LR"
+        )
+    return record, warnings
+
+
+def active_params(model: nn.Module) -> int:
+    """Parameters one token uses, embeddings excluded (the MFU convention for MoE, as
+    DeepSeek-V3 and torchtitan report it): everything but the experts, plus top_k / E of them."""
+    args = model.args
+    total = sum(p.numel() for n, p in model.named_parameters() if "tok_embeddings" not in n)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    return total - experts + experts * args.top_k // args.n_experts
