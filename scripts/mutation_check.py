@@ -32,6 +32,8 @@ PARITY = "tests/integration/test_parallel_parity.py::test_layout_matches_one_pro
 PP_PARITY = "tests/integration/test_pipeline_parity.py::test_pipeline_matches_one_process"
 QWEN3_PARITY = "tests/integration/test_qwen3_parity.py::test_qwen3_layout_matches_one_process"
 CONTRACT = "tests/unit/test_model_contract.py"
+MOE_PARITY = "tests/integration/test_moe_parity.py::test_moe_layout_matches_one_process"
+MOE_UNIT = "tests/unit/test_moe.py"
 
 
 @dataclass(frozen=True)
@@ -203,6 +205,57 @@ MUTANTS = [
         "    if tied:\n",
         "    if False:\n",
         (f"{QWEN3_PARITY}[tied_fsdp2]",),
+    ),
+    Mutant(
+        "moe_topk_not_renormalised",
+        "MoE: the top-k router weights are not renormalised to sum to one",
+        "models/qwen3_moe/model.py",
+        "            weights = weights / weights.sum(dim=-1, keepdim=True)\n",
+        "            weights = weights\n",
+        (f"{MOE_UNIT}::test_moe_forward_equals_routing_each_token_by_hand",),
+    ),
+    Mutant(
+        "moe_aux_loss_per_rank",
+        "MoE: the load-balancing statistics are this rank's, not the global micro-batch's",
+        "models/qwen3_moe/parallelize.py",
+        "            moe.reduce_stats = reduce\n",
+        "            moe.reduce_stats = None\n",
+        (f"{MOE_PARITY}[ep2]",),
+    ),
+    Mutant(
+        "ep_dispatch_split_off_by_one",
+        "EP: the local expert splits are off by one (a row of the last expert goes to the first)",
+        "parallelisms/expert_parallel.py",
+        "    return arrived[perm], received.sum(0), weights\n",
+        "    local = received.sum(0)\n    local[0] += 1\n    local[-1] -= 1\n"
+        "    return arrived[perm], local, weights\n",
+        (f"{MOE_PARITY}[ep2]",),
+    ),
+    Mutant(
+        "ep_expert_grads_not_divided_by_dp",
+        "EP: the experts' gradients are averaged over the FSDP ranks outside EP only (their sum "
+        "over the EP group's tokens is not divided by the whole DP degree)",
+        "models/qwen3_moe/parallelize.py",
+        "gradient_divide_factor=parallel_dims.dp)",
+        "gradient_divide_factor=None)",
+        (f"{MOE_PARITY}[ep2_fsdp2_bias]",),
+    ),
+    Mutant(
+        "ep_expert_grads_divided_twice",
+        "EP: the sum reduction is forced on one shard rank too, where FSDP2 then divides the "
+        "experts' gradients twice",
+        "parallelisms/fsdp.py",
+        'if mesh.size(mesh.ndim - 1) > 1 and hasattr(module, "set_force_sum_reduction_for_comms")',
+        'if hasattr(module, "set_force_sum_reduction_for_comms")',
+        (f"{MOE_PARITY}[ep2]",),
+    ),
+    Mutant(
+        "moe_recompute_counted_twice",
+        "MoE: activation checkpointing's recomputed forward counts the routing statistics again",
+        "models/qwen3_moe/model.py",
+        "            if not _in_backward():\n                self.tokens_per_expert",
+        "            if True:\n                self.tokens_per_expert",
+        (f"{MOE_UNIT}::test_recomputed_forward_counts_tokens_once", f"{MOE_PARITY}[ep4_ac]"),
     ),
 ]
 

@@ -154,7 +154,12 @@ def expected_layout(nproc: int, args: list[str], n_layers: int = 2) -> dict:
     tp = int(o.get("parallelism.tensor_parallel_degree", 1))
     pp = int(o.get("parallelism.pipeline_parallel_degree", 1))
     rep = int(o.get("parallelism.data_parallel_replicate_degree", 1))
+    ep = int(o.get("parallelism.expert_parallel_degree", 1))
     shard = nproc // (tp * pp * rep)
+    # under EP the shard ranks are built as (dp_shard_mod_ep, ep): see parallel_dims.py
+    shard_dims = (
+        (("dp_shard_mod_ep", shard // ep), ("ep", ep)) if ep > 1 else (("dp_shard", shard),)
+    )
     stage = int(o.get("parallelism.zero_stage", 3))
     if rep * shard == 1:
         dp = {"kind": "none", "zero_stage": None}
@@ -171,9 +176,7 @@ def expected_layout(nproc: int, args: list[str], n_layers: int = 2) -> dict:
     return {
         "world_size": nproc,
         "mesh": {
-            n: d
-            for n, d in (("pp", pp), ("dp_replicate", rep), ("dp_shard", shard), ("tp", tp))
-            if d > 1
+            n: d for n, d in (("pp", pp), ("dp_replicate", rep), *shard_dims, ("tp", tp)) if d > 1
         },
         "schedule": schedule,
         "stages_per_rank": (2 if multi else 1),
@@ -192,8 +195,12 @@ def expected_layout(nproc: int, args: list[str], n_layers: int = 2) -> dict:
     }
 
 
-def assert_layout(folder: Path, nproc: int, args: list[str], n_layers: int = 2) -> dict:
-    """The run's `layout.json` matches what `args` asked for (see `expected_layout`)."""
+def assert_layout(
+    folder: Path, nproc: int, args: list[str], n_layers: int = 2, local_blocks=None
+) -> dict:
+    """The run's `layout.json` matches what `args` asked for (see `expected_layout`).
+    `local_blocks`: the block weight elements each rank must hold, where the family's layout
+    does not cut every block matrix tp x shard times (experts are not TP-sharded)."""
     want = expected_layout(nproc, args, n_layers)
     got = json.loads((Path(folder) / "layout.json").read_text())
     assert got["world_size"] == want["world_size"], got["world_size"]
@@ -215,9 +222,11 @@ def assert_layout(folder: Path, nproc: int, args: list[str], n_layers: int = 2) 
         all_layers |= set(r["layers"])
         # the sharding the layout implies: every block matrix cut tp x (ZeRO-1..3 shards)
         n = r["numel"]
-        assert n["local_blocks_2d"] * want["block_divisor"] == n["global_blocks_2d"], (
+        expected = n["global_blocks_2d"] // want["block_divisor"]
+        expected = local_blocks if local_blocks is not None else expected
+        assert n["local_blocks_2d"] == expected, (
             f"{where}: holds {n['local_blocks_2d']} of {n['global_blocks_2d']} block weight "
-            f"elements, expected 1/{want['block_divisor']}"
+            f"elements, expected {expected}"
         )
         if "tp" in want["mesh"]:
             assert r["placements"]["tp"].get("Shard(0)", 0) > 0, r["placements"]

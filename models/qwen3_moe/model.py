@@ -9,7 +9,8 @@ other tokens share its batch or its rank.
 
 Load balancing, all optional:
 - the auxiliary loss (Switch Transformer): coeff x E x sum_i f_i P_i, f_i the share of the
-  routed tokens that chose expert i, P_i the mean router probability of expert i. Both are
+  tokens that chose expert i (the f_i add up to k, as transformers counts it for Qwen3-MoE, so
+  Qwen3's coefficient means the same here), P_i the mean router probability of expert i. Both are
   taken over the *global* micro-batch (every data-parallel rank's tokens of one micro-step),
   through `MoE.reduce_stats`, which a parallelism sets to a sum over the data-parallel ranks
   (identity on one process). Each rank back-propagates its own tokens' share of it, so the
@@ -99,11 +100,17 @@ class AuxLossGrad(torch.autograd.Function):
         return grad, torch.ones(ctx.aux_shape, dtype=ctx.aux_dtype, device=grad.device)
 
 
+def _aligned(t: torch.Tensor) -> bool:
+    """`torch._grouped_mm` needs every stride but the unit one to be a multiple of 16 bytes."""
+    return all(s * t.element_size() % 16 == 0 for s in t.stride() if s != 1)
+
+
 def _grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """x [N, K] (rows sorted by expert, counts[e] rows for expert e) @ w[e] [K, M] -> [N, M]."""
     w = w.to(x.dtype)
     grouped = getattr(torch, "_grouped_mm", None)
-    if grouped is not None and (x.device.type == "cpu" or x.dtype == torch.bfloat16):
+    usable = x.device.type == "cpu" or x.dtype == torch.bfloat16
+    if grouped is not None and usable and _aligned(x) and _aligned(w):
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         return grouped(x, w, offs=offs)
     # One batched matmul over experts, each padded to the largest expert's rows.
@@ -173,6 +180,7 @@ class MoE(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(args.n_experts), persistent=False)
         self.register_buffer("aux_loss_sum", torch.zeros(()), persistent=False)
         self.reduce_stats = None  # set by a parallelism: sums a float64 vector over DP ranks
+        self.counting = True  # False: a forward whose tokens are not training tokens
         self.loss_scale = 1.0  # set by the trainer: 1 / its token-loss normaliser
 
     def route(self, x: torch.Tensor):
@@ -197,11 +205,11 @@ class MoE(nn.Module):
         the global micro-batch's load-balancing loss for the logs."""
         counts, prob_sums = stats[0], stats[1]
         tokens = counts.sum() / self.top_k  # global tokens of the micro-batch
-        f = (counts / (self.top_k * tokens)).float()
+        f = (counts / tokens).float()
         aux = logits.new_zeros(())
         if self.aux_coeff > 0:
             aux = aux + self.aux_coeff * self.n_experts * (f * scores.sum(0)).sum()
-            if not _in_backward():
+            if self.counting and not _in_backward():
                 global_aux = self.n_experts * (f * (prob_sums / tokens).float()).sum()
                 self.aux_loss_sum += self.aux_coeff * global_aux.detach()
         if self.z_coeff > 0:
@@ -214,7 +222,7 @@ class MoE(nn.Module):
         logits, scores, chosen, weights = self.route(x)
         if self.training:
             stats = self.global_stats(chosen, scores)
-            if not _in_backward():
+            if self.counting and not _in_backward():
                 self.tokens_per_expert += stats[0].float()
         # Sort the (token, choice) pairs by expert; stable, so the order is the layout's own.
         flat = chosen.flatten()

@@ -108,7 +108,7 @@ def pipeline_qwen3_moe(
     names = stage_module_names(
         len(model.layers), job_config.parallelism, ["tok_embeddings"], ["norm", "output"]
     )
-    return build_pipeline(
+    parts, schedule, first, last = build_pipeline(
         model,
         parallel_dims,
         job_config,
@@ -117,6 +117,34 @@ def pipeline_qwen3_moe(
         names,
         lambda m: parallelize_qwen3_moe(m, parallel_dims, job_config, device.type),
     )
+    stages = getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]
+    for stage in stages:
+        _uncounted_metadata_forward(stage)
+    return parts, schedule, first, last
+
+
+_METADATA_FORWARDS = ("_forward_metadata_inference", "_shape_inference")
+
+
+def _uncounted_metadata_forward(stage) -> None:
+    """torch's pipeline stages run one extra forward on the first step to learn the shapes
+    they exchange (on placeholder inputs); its routing must not count as the step's. Wraps
+    that method (its name differs across torch versions) so the stage's MoE layers skip it."""
+    name = next((n for n in _METADATA_FORWARDS if hasattr(stage, n)), None)
+    if name is None:
+        return
+    infer, layers = getattr(stage, name), moe_layers([stage.submod]).values()
+
+    def uncounted(*args, **kwargs):
+        for moe in layers:
+            moe.counting = False
+        try:
+            return infer(*args, **kwargs)
+        finally:
+            for moe in layers:
+                moe.counting = True
+
+    setattr(stage, name, uncounted)
 
 
 def validate_qwen3_moe(cfg, args) -> list[str]:

@@ -90,6 +90,13 @@ def active_params(model: nn.Module) -> int:
     """Parameters one token uses, embeddings excluded (the MFU convention for MoE, as
     DeepSeek-V3 and torchtitan report it): everything but the experts, plus top_k / E of them."""
     args = model.args
-    total = sum(p.numel() for n, p in model.named_parameters() if "tok_embeddings" not in n)
-    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    names: dict[int, list[str]] = {}
+    params = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+        params[id(p)] = p
+    # an output projection tied to the embeddings still multiplies: kept
+    used = [params[i] for i, ns in names.items() if any("tok_embeddings" not in n for n in ns)]
+    total = sum(p.numel() for p in used)
+    experts = sum(params[i].numel() for i, ns in names.items() if ".experts." in ns[0])
     return total - experts + experts * args.top_k // args.n_experts

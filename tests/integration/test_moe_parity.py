@@ -1,0 +1,169 @@
+"""Qwen3-MoE trains under every expert-parallel layout exactly like one process: the harness of
+`tests/parity.py` (loss and gradient norm at every step, final weights, the layout built), plus
+the router statistics of every step (the expert loads and the load-balancing loss are those of
+the global micro-batch, so they too must not depend on the layout).
+
+The shape: `tests/tiny_model.toml` widths with the MoE debug flavor's 8 experts, 2 per token
+(`moe_ffn_dim` 128). The load-balancing loss is on at 0.01 (10x Qwen3's, so that a wrong global
+count moves the weights visibly); the bias balancing and the z-loss are on where named.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from dist_utils import Run, launch_many, read_records
+from parity import (
+    CHECKPOINT_ARGS,
+    EXACT,
+    FP32,
+    STEPS,
+    assert_layout,
+    assert_parity,
+    assert_series,
+    selected_runs,
+)
+
+# Routing is discrete: a token whose top-2 choice is a near tie (the router starts near
+# uniform, std-0.02 weights) can pick another expert in another layout on a 1e-7 difference.
+# Measured (2026-12-01, 20 steps, lr 1e-3), without such a flip: loss 2.3e-7, grad norm
+# 1.4e-4 (PP 2 x EP 2; 1.7e-5 for the others), final weights 5.0e-3 element-wise (of the
+# tensor's largest value: a rare token's embedding row under PP 2 x EP 2, max abs 3.2e-4;
+# std-0.02 embeddings as in test_qwen3_parity.py; 1.3e-3 elsewhere), 3.2e-5 norm-wise.
+# One flip in the 20th step of EP 2 x FSDP 2 with the bias: loss 5.1e-6, grad norm 5.3e-5, the
+# layer's router 1.8e-4 norm-wise. Kept at about 4x / 2x / 4x / 5x that. The planted bugs of
+# scripts/mutation_check.py move the grad norm by 1e-3 or more from the first step.
+TOL = dataclasses.replace(FP32, loss=2e-5, grad_norm=3e-4, weights=2e-2, weights_norm=1e-3)
+# relative, per step, on the loads and the aux loss: measured 2e-6 without a flip; one
+# token's choice moves the load of its two experts by 1/64 (256 tokens x 2 over 8 experts)
+ROUTER_TOL = 2e-2
+
+MOE = ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel",
+       "--model.moe_aux_loss_coeff", "0.01"]  # fmt: skip
+BIAS = ["--model.moe_bias_update_rate", "0.001"]
+Z_ONLY = ["--model.moe_aux_loss_coeff", "0", "--model.moe_z_loss_coeff", "0.001", *BIAS]
+# lr 1e-3, not the dense tests' 3e-3: at 3e-3 the tiny model's loss spikes (grad norm 4-5 near
+# step 18) and a token whose top-2 choice is a near tie flips expert on a 1e-7 difference,
+# which the spike then amplifies past every tolerance (measured: 6e-4 in the grad norm); at 1e-3
+# the loss still falls by 0.9 in 20 steps.
+COMMON = ["--training.steps", str(STEPS), "--optimizer.lr", "1e-3", *CHECKPOINT_ARGS, *MOE]
+LB = ["--training.local_batch_size"]
+
+
+def ep(n: int) -> list[str]:
+    return ["--parallelism.expert_parallel_degree", str(n)]
+
+
+TP2 = ["--parallelism.tensor_parallel_degree", "2"]
+PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--model.n_layers", "4",
+       "--parallelism.pipeline_parallel_schedule", "1F1B",
+       "--parallelism.pipeline_parallel_microbatch_size", "2"]  # fmt: skip
+AC = ["--activation_checkpoint.mode", "full"]
+
+# name: (ranks, arguments, reference)
+LAYOUTS = {
+    "ep2": (2, [*ep(2), *LB, "4"], "aux"),
+    "ep2_fsdp2_bias": (4, [*ep(2), *BIAS, *LB, "2"], "aux_bias"),
+    "ep4_ac": (4, [*ep(4), *AC, *LB, "2"], "aux"),
+    "ep2_tp2": (4, [*ep(2), *TP2, *LB, "4"], "aux"),
+    # PP splits each rank's batch into microbatches, so the load-balancing loss (over each
+    # microbatch) would differ from one process's: the per-token z-loss and the bias instead
+    "ep2_pp2_z_bias": (4, [*ep(2), *PP2, *Z_ONLY, *LB, "4"], "z_bias_4_layers"),
+}
+REFERENCES = {
+    "aux": [],
+    "aux_bias": BIAS,
+    "z_bias_4_layers": [*Z_ONLY, "--model.n_layers", "4"],
+}
+# resumed from ep2's step-10 checkpoint: name -> (ranks, arguments)
+RESUMED = {
+    "ep2_resumed": (2, LAYOUTS["ep2"][1]),  # the same layout: exact
+    "ep2_to_fsdp2": (2, LB + ["4"]),  # EP 2 -> EP 1 (FSDP 2)
+    "ep2_to_ep4": (4, [*ep(4), *LB, "2"]),  # EP 2 -> EP 4, on 4 ranks
+}
+
+
+def expected_local_blocks(nproc: int, args: list[str]) -> int:
+    """Block weight elements per rank: attention matrices cut tp x shard times, the router and
+    the experts (never TP-sharded) cut by the shard ranks (EP x FSDP over the rest, or FSDP)."""
+    o = dict(zip(args[::2], args[1::2]))
+    tp = int(o.get("--parallelism.tensor_parallel_degree", 1))
+    pp = int(o.get("--parallelism.pipeline_parallel_degree", 1))
+    layers = int(o.get("--model.n_layers", 2)) // pp
+    shard = nproc // (tp * pp)
+    attention = 64 * 128 * 2 + 64 * 64 * 2  # wq, wo (4 heads x 32) and wk, wv (2 kv heads)
+    moe = 8 * 64 + 3 * 8 * 128 * 64  # router, 8 experts' w1 / w2 / w3
+    return layers * (attention // (tp * shard) + moe // shard)
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    base = tmp_path_factory.mktemp("moe_parity")
+    refs = {name: ref for name, (_, _, ref) in LAYOUTS.items()}
+    refs |= {name: "ep2" for name in RESUMED}
+    needs = {
+        "test_resume_and_reshard_across_ep_degrees": [*RESUMED, "aux"],
+        "test_moe_reference_trains_and_balances": ["aux", "aux_bias"],
+    }
+    want = selected_runs(request, LAYOUTS, needs, refs, {"ep2": "aux"})
+    todo = [Run(n, base / n, 1, COMMON + a) for n, a in REFERENCES.items() if n in want]
+    todo += [Run(n, base / n, k, COMMON + a) for n, (k, a, _) in LAYOUTS.items() if n in want]
+    saved = base / "ep2" / "checkpoint" / "step-10"
+    load = ["--checkpoint.initial_load_path", str(saved)]
+    load += ["--checkpoint.initial_load_model_only", "false"]
+    todo += [
+        Run(n, base / n, k, COMMON + a + load, after="ep2")
+        for n, (k, a) in RESUMED.items()
+        if n in want
+    ]
+    todo.sort(key=lambda r: -r.nproc)
+    return launch_many(todo, parallel=2)
+
+
+def assert_router_parity(ref, run, first: int = 1) -> None:
+    """The expert loads and the load-balancing loss of every step equal the reference's."""
+    for key in ("max_load", "min_load", "aux_loss", "bias_drift"):
+        want = {r["step"]: r[key] for r in read_records(ref, "router") if r["step"] >= first}
+        got = {r["step"]: r[key] for r in read_records(run, "router") if r["step"] >= first}
+        assert_series(want, got, f"router {key}", ROUTER_TOL)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_moe_layout_matches_one_process(runs, name):
+    run, ref = runs[name].check(), runs[LAYOUTS[name][2]].check()
+    n_layers = 4 if "--model.n_layers" in run.args else 2
+    layout = assert_layout(
+        run.folder, run.nproc, run.args, n_layers, expected_local_blocks(run.nproc, run.args)
+    )
+    for r in layout["ranks"]:  # every block's w1, w2, w3 sharded on the expert dimension
+        assert r["placements"]["ep"] == {"Shard(0)": 3 * len(r["layers"])}, r["placements"]
+    assert_parity(ref.folder, run.folder, TOL)
+    assert_router_parity(ref.folder, run.folder)
+
+
+def test_moe_reference_trains_and_balances(runs):
+    """The references really train (the loss falls) and route: the bias moves when on, the
+    load-balancing loss is logged, every expert gets tokens."""
+    aux, bias = runs["aux"].check(), runs["aux_bias"].check()
+    losses = aux.losses()
+    assert losses[STEPS] < losses[1] - 0.8, losses
+    router = read_records(aux.folder, "router")
+    assert [r["step"] for r in router] == list(range(1, STEPS + 1))
+    assert all(r["aux_loss"] > 0 and r["bias_drift"] == 0 for r in router), router
+    drift = [r["bias_drift"] for r in read_records(bias.folder, "router")]
+    assert drift[0] == pytest.approx(0.001) and drift[-1] > drift[0], drift
+
+
+def test_resume_and_reshard_across_ep_degrees(runs):
+    """ep2's step-10 checkpoint continues bit-identically at EP 2, and within the parity
+    tolerances at EP 1 (FSDP 2) and at EP 4 on 4 ranks (experts resharded by DCP)."""
+    saver, ref = runs["ep2"].check(), runs["aux"].check()
+    for name, (nproc, args) in RESUMED.items():
+        run = runs[name].check()
+        assert sorted(run.losses()) == list(range(11, STEPS + 1)), name
+        local = expected_local_blocks(nproc, args)
+        assert_layout(run.folder, nproc, run.args, local_blocks=local)
+        tol = EXACT if name == "ep2_resumed" else TOL
+        assert_parity(saver.folder if tol is EXACT else ref.folder, run.folder, tol, first=11)
+        assert_router_parity(ref.folder, run.folder, first=11)

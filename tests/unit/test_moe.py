@@ -1,0 +1,232 @@
+"""The Qwen3-MoE layer on one process: routing, the grouped expert compute against the
+per-expert loop, the load-balancing loss against transformers' and its global (layout-free)
+split, the bias balancing, expert parallelism's row permutation, the config checks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from job_config import ConfigError, parse_args
+from models.qwen3_moe import flavors
+from models.qwen3_moe.model import MoE, _grouped_matmul, expert_swiglu
+from models.qwen3_moe.routing import after_optimizer_step, layer_stats, summarize
+from parallelisms.expert_parallel import _expert_major
+
+ARGS = dataclasses.replace(flavors["debugmodel"], dim=32, moe_ffn_dim=16, moe_aux_loss_coeff=0.01)
+
+
+def _moe(seed: int = 0, **changes) -> MoE:
+    torch.manual_seed(seed)
+    moe = MoE(dataclasses.replace(ARGS, **changes))
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return moe
+
+
+def _by_hand(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Each token on its own: softmax scores, top-k, renormalised weights, weighted experts."""
+    e = moe.experts
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        scores = F.softmax(moe.router(x[t]).float(), dim=-1)
+        top = torch.topk(scores + moe.expert_bias, moe.top_k).indices
+        w = scores[top] / scores[top].sum()
+        for weight, i in zip(w, top.tolist()):
+            h = F.silu(x[t] @ e.w1[i].T) * (x[t] @ e.w3[i].T)
+            out[t] += weight * (h @ e.w2[i].T)
+    return out
+
+
+def test_moe_forward_equals_routing_each_token_by_hand():
+    moe = _moe().eval()
+    x = torch.randn(2, 5, ARGS.dim)
+    got = moe(x)
+    want = _by_hand(moe, x.reshape(-1, ARGS.dim)).view_as(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_grouped_compute_equals_the_per_expert_loop_forward_and_backward():
+    """`torch._grouped_mm`, the padded batched matmul (used where the device lacks it) and the
+    loop agree, in values and gradients, with an expert that receives no rows."""
+    torch.manual_seed(0)
+    counts = torch.tensor([3, 0, 5, 1])
+    x = torch.randn(int(counts.sum()), 8, requires_grad=True)
+    w = [torch.randn(4, 12, 8, requires_grad=True), torch.randn(4, 8, 12, requires_grad=True),
+         torch.randn(4, 12, 8, requires_grad=True)]  # fmt: skip
+    results = []
+    for grouped in (True, False):
+        y = expert_swiglu(x, counts, *w, grouped=grouped)
+        grads = torch.autograd.grad(y.square().sum(), [x, *w])
+        results.append((y, grads))
+    torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5)
+    assert torch.__dict__.get("_grouped_mm") is not None  # torch 2.13 CPU: the grouped path ran
+
+
+def _padded(x, w, counts):
+    out, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        out.append(x[start : start + n] @ w[e])
+        start += n
+    return torch.cat(out)
+
+
+def test_padded_batched_matmul_path(monkeypatch):
+    monkeypatch.delattr(torch, "_grouped_mm", raising=False)
+    counts = torch.tensor([2, 0, 3])
+    x, w = torch.randn(5, 4), torch.randn(3, 4, 7)
+    torch.testing.assert_close(_grouped_matmul(x, w, counts), _padded(x, w, counts))
+
+
+def test_load_balancing_loss_equals_transformers():
+    """The logged load-balancing loss is Switch Transformer's, as transformers computes it for
+    Qwen3-MoE (its `load_balancing_loss_func`) from the same router logits."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    moe = _moe().train()
+    x = torch.randn(12, ARGS.dim)
+    moe(x)
+    want = load_balancing_loss_func((moe.router(x),), ARGS.n_experts, ARGS.top_k)
+    torch.testing.assert_close(moe.aux_loss_sum, ARGS.moe_aux_loss_coeff * want.float())
+
+
+def _aux_grad(moe: MoE, x: torch.Tensor, other=None) -> torch.Tensor:
+    """The router gradient of the auxiliary loss alone on `x`; `other`: the statistics of the
+    tokens another data-parallel rank holds (what `reduce_stats` adds under DP)."""
+    moe.zero_grad()
+    moe.reduce_stats = None if other is None else (lambda stats: stats + other)
+    logits, scores, chosen, _ = moe.route(x)
+    moe.aux_loss(logits, scores, moe.global_stats(chosen, scores)).backward()
+    return moe.router.weight.grad.clone()
+
+
+def test_aux_loss_split_over_ranks_sums_to_one_process():
+    """Two data-parallel halves, each with the global statistics, give gradients that sum to
+    one process's on the whole batch: the loss is global, not per rank."""
+    moe = _moe(moe_z_loss_coeff=0.01).train()
+    x = torch.randn(16, ARGS.dim)
+    a, b = x[:8], x[8:]
+    with torch.no_grad():
+        stats = [moe.global_stats(*_chosen_scores(moe, h)) for h in (a, b)]
+    whole = _aux_grad(moe, x)
+    halves = _aux_grad(moe, a, stats[1]) + _aux_grad(moe, b, stats[0])
+    torch.testing.assert_close(halves, whole, rtol=1e-5, atol=1e-8)
+    per_rank = _aux_grad(moe, a) + _aux_grad(moe, b)  # each half on its own statistics
+    assert not torch.allclose(per_rank, whole, rtol=1e-3)
+
+
+def _chosen_scores(moe, x):
+    _, scores, chosen, _ = moe.route(x)
+    return chosen, scores
+
+
+def test_aux_loss_reaches_the_router_through_the_output():
+    """`AuxLossGrad`: the block output carries the auxiliary loss's gradient (scaled by
+    `loss_scale`), without changing the output."""
+    moe = _moe().train()
+    x = torch.randn(10, ARGS.dim)
+    moe.loss_scale = 0.0
+    out0 = moe(x)
+    out0.sum().backward()
+    g0 = moe.router.weight.grad.clone()
+    moe.zero_grad()
+    moe.loss_scale = 1.0
+    out1 = moe(x)
+    out1.sum().backward()
+    torch.testing.assert_close(out0, out1)
+    assert not torch.allclose(moe.router.weight.grad, g0)
+
+
+def test_recomputed_forward_counts_tokens_once():
+    """Activation checkpointing runs forward again in backward: the expert counts stay one
+    forward's."""
+    from torch.utils.checkpoint import checkpoint
+
+    moe = _moe().train()
+    x = torch.randn(6, ARGS.dim, requires_grad=True)
+    checkpoint(moe, x, use_reentrant=False).sum().backward()
+    assert moe.tokens_per_expert.sum().item() == 6 * ARGS.top_k
+
+
+def test_bias_moves_toward_balance_and_chooses_but_does_not_weigh():
+    moe = _moe(moe_bias_update_rate=0.1).train()
+    moe(torch.randn(20, ARGS.dim))
+    counts = moe.tokens_per_expert.clone()
+    after_optimizer_step([_Part(moe)])
+    want = 0.1 * torch.sign(counts.mean() - counts)
+    torch.testing.assert_close(moe.expert_bias, want)
+    assert moe.tokens_per_expert.sum() == 0  # the next step counts afresh
+    # a large bias decides the choice; the weights are still the softmax scores renormalised
+    moe.eval()
+    moe.expert_bias.zero_()
+    moe.expert_bias[[3, 5]] = 100.0
+    x = torch.randn(4, ARGS.dim)
+    _, scores, chosen, weights = moe.route(x)
+    assert (chosen.sort(-1).values == torch.tensor([3, 5])).all()
+    picked = scores.gather(-1, chosen)
+    torch.testing.assert_close(weights, picked / picked.sum(-1, keepdim=True))
+
+
+class _Part(torch.nn.Module):
+    """A model part holding one MoE layer as block "0"."""
+
+    def __init__(self, moe: MoE):
+        super().__init__()
+        self.layers = torch.nn.ModuleDict({"0": torch.nn.ModuleDict({"moe": moe})})
+
+
+def test_router_stats_and_idle_expert_warning():
+    moe = _moe().train()
+    part = _Part(moe)
+    for _ in range(3):
+        moe.tokens_per_expert.copy_(torch.tensor([4.0, 0, 2, 2, 0, 0, 0, 0]))
+        after_optimizer_step([part])
+    stats = layer_stats([part])["0"]
+    assert (stats["max_load"], stats["min_load"], stats["idle"]) == (4.0, 0.0, 3.0)
+    record, warnings = summarize({"0": stats, "1": dict(stats, idle=0.0)}, idle_warn_steps=3)
+    assert record["idle_steps"] == 3.0 and len(warnings) == 1 and "layer(s) 0 " in warnings[0]
+    assert summarize({"0": stats}, idle_warn_steps=4)[1] == []
+
+
+def test_expert_major_permutation():
+    """Rows arrive per source rank, each source's rows grouped by local expert; the permutation
+    groups them by expert, source rank next."""
+    received = torch.tensor([[2, 1], [0, 3]])  # source 0 sends 2 rows for expert 0, 1 for 1
+    rows = torch.tensor([0, 1, 2, 3, 4, 5])  # arrival: s0e0 s0e0 s0e1 s1e1 s1e1 s1e1
+    assert rows[_expert_major(received)].tolist() == [0, 1, 2, 3, 4, 5]
+    received = torch.tensor([[1, 1], [1, 1]])  # arrival: s0e0 s0e1 s1e0 s1e1
+    assert _expert_major(received).tolist() == [0, 2, 1, 3]
+
+
+MOE_CLI = ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "world", "message"),
+    [
+        (["--parallelism.expert_parallel_degree", "2"], 2, "has no experts"),
+        (["--model.moe_aux_loss_coeff", "0.1"], 1, "has no moe_aux_loss_coeff"),
+        ([*MOE_CLI, "--parallelism.expert_parallel_degree", "3"], 6, "must divide the 8 experts"),
+        ([*MOE_CLI, "--parallelism.expert_parallel_degree", "4"], 2, "must divide the data-"),
+        (
+            [
+                *MOE_CLI,
+                "--parallelism.expert_parallel_degree",
+                "2",
+                "--parallelism.zero_stage",
+                "2",
+            ],
+            2,
+            "Use zero_stage = 3",
+        ),  # fmt: skip
+    ],
+)
+def test_bad_moe_configs_are_refused_before_any_process_group(argv, world, message):
+    from train import check_config
+
+    cfg = parse_args(["--training.device", "cpu", *argv])
+    with pytest.raises((ConfigError, ValueError), match=message):
+        check_config(cfg, world)
