@@ -184,6 +184,16 @@ def test_flavor_counts_equal_published(flavor):
     assert billions_as_published(active, active_b) == active_b
 
 
+def test_dry_run_prints_total_and_active_counts(capsys):
+    import train
+
+    assert train.main(["--model.name", "qwen3_moe", "--model.flavor", "30B-A3B",
+                       "--job.dry_run"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "30,532,122,624 parameters (30.53B;" in out
+    assert "3,353,032,704 active per token (3.35B; 3,041,867,776 without embeddings)" in out
+
+
 def test_config_round_trips_through_transformers(tmp_path):
     args = flavors["debugmodel"]
     config = transformers.Qwen3MoeConfig(**moe_hf.hf_config(args))
