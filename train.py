@@ -117,9 +117,27 @@ def check_data_files(cfg: JobConfig) -> None:
                 raise ConfigError(f"{section}.dataset_path: {e}") from None
 
 
+def param_counts(spec, model) -> tuple[str, int]:
+    """(the dry run's parameter counts, the non-embedding count the FLOPs per token use): for
+    a mixture of experts also the parameters one token uses, which the FLOPs count."""
+    from metrics.flops import count_params
+
+    n = count_params(model)
+    n_no_emb = count_params(model, exclude_embedding=True)
+    text = f"{n:,} parameters ({n / 1e9:.2f}B; {n_no_emb:,} without embeddings)"
+    if spec.routing is None:
+        return text, n_no_emb
+    active_no_emb = spec.routing.active_params(model)  # as the trainer's MFU counts them
+    active = active_no_emb + n - n_no_emb
+    text += (
+        f", {active:,} active per token ({active / 1e9:.2f}B; {active_no_emb:,} without embeddings)"
+    )
+    return text, active_no_emb
+
+
 def dry_run(cfg: JobConfig) -> None:
     """Builds the model on the meta device (allocating nothing) and reports its size."""
-    from metrics.flops import count_params, flops_per_token
+    from metrics.flops import flops_per_token
 
     vocab = None  # the flavor's vocabulary unless the tokenizer file is at hand
     if cfg.model.tokenizer_path and Path(cfg.model.tokenizer_path).is_file():
@@ -133,12 +151,10 @@ def dry_run(cfg: JobConfig) -> None:
         raise ConfigError(str(e)) from None
     with torch.device("meta"):
         model = spec.model_cls(args)
-    n = count_params(model)
-    n_no_emb = count_params(model, exclude_embedding=True)
+    counts, n_no_emb = param_counts(spec, model)
     fpt = flops_per_token(n_no_emb, args.n_layers, args.n_heads, args.head_dim, args.max_seq_len)
     print(
-        f"dry run: {cfg.model.name} {cfg.model.flavor}: {n:,} parameters "
-        f"({n / 1e9:.2f}B; {n_no_emb:,} without embeddings), "
+        f"dry run: {cfg.model.name} {cfg.model.flavor}: {counts}, "
         f"{fpt / 1e9:.2f} GFLOP per token at seq_len {args.max_seq_len}"
     )
     if cfg.job.simulate_world_size:  # per-rank memory of the configured layout at that scale

@@ -34,6 +34,7 @@ from models import qwen3, qwen3_moe
 from models.llama3 import Transformer, llama3_flavors
 from models.llama3 import hf as llama3_hf
 from models.qwen3 import hf as qwen3_hf
+from models.qwen3_moe import hf as qwen3_moe_hf
 
 # The args fields the framework reads (the FLOPs formula, the TP and pipeline checks, the
 # loader, the estimator); a family's args dataclass may have any others.
@@ -276,6 +277,13 @@ register(
         qwen3_moe.pipeline,
         qwen3_moe.validate,
         qwen3_moe.block_activation_bytes,
+        HFAdapter(
+            "qwen3_moe",
+            qwen3_moe_hf.args_from_hf_config,
+            qwen3_moe_hf.config_with_dtype,
+            qwen3_moe_hf.to_hf,
+            qwen3_moe_hf.from_hf,
+        ),  # fmt: skip
         routing=_qwen3_moe_routing(),
     )
 )

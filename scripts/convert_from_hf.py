@@ -1,5 +1,6 @@
-"""A Hugging Face model of a registered family with an adapter (Llama, Qwen3; config.json +
-safetensors, one file or sharded) -> a model-only DCP checkpoint `OUTPUT/step-0` that any layout loads (set checkpoint.initial_load_path = OUTPUT).
+"""A Hugging Face model of a registered family with an adapter (Llama, Qwen3, Qwen3-MoE;
+config.json + safetensors, one file or sharded) -> a model-only DCP checkpoint `OUTPUT/step-0`
+that any layout loads (set checkpoint.initial_load_path = OUTPUT).
 
     python scripts/convert_from_hf.py HF_FOLDER OUTPUT [--dtype float32] [--flavor 8B]
 """

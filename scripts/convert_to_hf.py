@@ -1,6 +1,6 @@
 """A meshtrain DCP checkpoint (any layout; a step-N folder, an export, or a folder of them,
-whose latest is used) -> the Hugging Face layout of the family it records (Llama, Qwen3):
-config.json + safetensors.
+whose latest is used) -> the Hugging Face layout of the family it records (Llama, Qwen3,
+Qwen3-MoE): config.json + safetensors.
 
     python scripts/convert_to_hf.py CHECKPOINT OUTPUT [--dtype bfloat16] [--max_shard_gb 5]
 """
