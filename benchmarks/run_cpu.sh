@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CPU benchmark set behind README's Performance section (about an hour on 2 cores).
 #   benchmarks/run_cpu.sh [part ...]
-# parts (default: all): debug m50 m50_bf16 dp dp4 memory breakdown memory_bf16 layouts
+# parts (default: all): debug m50 m50_bf16 dp dp4 memory breakdown memory_bf16 layouts moe
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -51,9 +51,15 @@ breakdown() {  # output folder, precision words, extra overrides
     done; } > "$out.tmp" && mv "$out.tmp" "$out" && cat "$out"
 }
 
-for part in "${@:-debug m50 m50_bf16 dp dp4 memory breakdown memory_bf16 layouts}"; do
+# the MoE debug flavor (8 experts, top-2) at its own width, EP 1 (FSDP 2) vs EP 2
+MOE=(--model.name qwen3_moe --model.flavor debugmodel)
+
+for part in "${@:-debug m50 m50_bf16 dp dp4 memory breakdown memory_bf16 layouts moe}"; do
   for p in $part; do
     case $p in
+      moe) "$PY" scripts/bench.py --rows zero3_2,ep2_2 --baseline zero3_2 --repeats 3 --steps 10 \
+               --warmup 3 "${MOE[@]}" --output benchmarks/cpu_moe_ep2 \
+               --title "Qwen3-MoE debug model, EP 1 (FSDP 2) vs EP 2, 2 ranks" ;;
       debug) "$PY" scripts/bench.py --rows $SINGLE --repeats 8 --steps 10 --warmup 4 \
                --output benchmarks/cpu_debug_single --title "Single process, debug model" ;;
       m50) "$PY" scripts/bench.py --rows $SINGLE --repeats 6 --steps 10 --warmup 4 "${M50[@]}" \

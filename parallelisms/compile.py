@@ -26,12 +26,14 @@ def _own_input(module: nn.Module, args: tuple):
     return None
 
 
-def apply_compile(model: nn.Module) -> nn.Module:
+def apply_compile(model: nn.Module, part: str | None = None) -> nn.Module:
     """Compiles the forward of every entry of `model.layers` (`fullgraph`: a graph break is
-    an error, not a silent slowdown)."""
+    an error, not a silent slowdown); with `part`, of that submodule of every block instead
+    (a family whose blocks hold data-dependent code, such as MoE routing, compiles the rest)."""
     for block in model.layers.values():
-        block.forward = torch.compile(block.forward, fullgraph=True)
-        block.register_forward_pre_hook(_own_input)
+        target = getattr(block, part) if part else block
+        target.forward = torch.compile(target.forward, fullgraph=True)
+        target.register_forward_pre_hook(_own_input)
     return model
 
 

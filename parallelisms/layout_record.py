@@ -53,6 +53,11 @@ def _blocks(part: nn.Module) -> dict[str, nn.Module]:
     return dict(layers.items()) if layers is not None else {}
 
 
+def _compiled(block: nn.Module) -> bool:
+    """The block, or a part of it (a family may compile only some), runs a compiled forward."""
+    return any(hasattr(m.forward, "_torchdynamo_orig_callable") for m in block.modules())
+
+
 def _rank_view(model_parts: list[nn.Module], parallel_dims: ParallelDims) -> dict:
     """This rank's part of the record."""
     placements: dict[str, Counter] = {}
@@ -91,9 +96,7 @@ def _rank_view(model_parts: list[nn.Module], parallel_dims: ParallelDims) -> dic
         "placements": {dim: dict(c) for dim, c in sorted(placements.items())},
         "ac_blocks": sorted(k for k, b in blocks.items() if isinstance(b, CheckpointWrapper)),
         "ac_selective_op_blocks": sorted(ac_op),
-        "compiled_blocks": sorted(
-            k for k, b in blocks.items() if hasattr(b.forward, "_torchdynamo_orig_callable")
-        ),
+        "compiled_blocks": sorted(k for k, b in blocks.items() if _compiled(b)),
         "data_parallel": _data_parallel(model_parts),
     }
 

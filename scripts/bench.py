@@ -84,6 +84,12 @@ def _rows() -> dict[str, Row]:
         Row("zero2_2", 2, [z, "2"], note="ZeRO-2"),
         Row("zero3_2", 2, [z, "3"], note="FSDP2 (ZeRO-3)"),
         Row("zero3_offload_2", 2, [z, "3", "--training.enable_cpu_offload", "true"]),
+        Row(
+            "ep2_2",
+            2,
+            [z, "3", "--parallelism.expert_parallel_degree", "2"],
+            note="MoE: EP 2 (experts split, all-to-all), FSDP2 over the rest",
+        ),
         Row("ddp_4", 4, [z, "0"], note="DDP"),
         Row("zero3_4", 4, [z, "3"], note="FSDP2 (ZeRO-3)"),
         Row(

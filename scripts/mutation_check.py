@@ -253,8 +253,8 @@ MUTANTS = [
         "moe_recompute_counted_twice",
         "MoE: activation checkpointing's recomputed forward counts the routing statistics again",
         "models/qwen3_moe/model.py",
-        "            if not _in_backward():\n                self.tokens_per_expert",
-        "            if True:\n                self.tokens_per_expert",
+        "            if self.counting and not _in_backward():\n                self.tokens",
+        "            if self.counting:\n                self.tokens",
         (f"{MOE_UNIT}::test_recomputed_forward_counts_tokens_once", f"{MOE_PARITY}[ep4_ac]"),
     ),
 ]

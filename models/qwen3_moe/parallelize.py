@@ -95,7 +95,8 @@ def parallelize_qwen3_moe(
     if ac.mode != "none":
         apply_ac(model, ac.mode, ac.selective_ac_option)
     if comp.enable and "model" in comp.components:
-        apply_compile(model)
+        # attention only: routing has data-dependent shapes (expert counts, EP splits)
+        apply_compile(model, "attention")
     if parallel_dims.dp_enabled:
         units = functools.partial(qwen3_moe_fsdp_units, parallel_dims=parallel_dims)
         apply_data_parallel(model, parallel_dims, job_config, device_type, units)

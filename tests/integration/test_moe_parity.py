@@ -66,7 +66,8 @@ LAYOUTS = {
     "ep2": (2, [*ep(2), *LB, "4"], "aux"),
     "ep2_fsdp2_bias": (4, [*ep(2), *BIAS, *LB, "2"], "aux_bias"),
     "ep4_ac": (4, [*ep(4), *AC, *LB, "2"], "aux"),
-    "ep2_tp2": (4, [*ep(2), *TP2, *LB, "4"], "aux"),
+    # attention compiled (the MoE layer's routing runs eager: data-dependent shapes)
+    "ep2_tp2_compile": (4, [*ep(2), *TP2, "--compile.enable", "true", *LB, "4"], "aux"),
     # PP splits each rank's batch into microbatches, so the load-balancing loss (over each
     # microbatch) would differ from one process's: the per-token z-loss and the bias instead
     "ep2_pp2_z_bias": (4, [*ep(2), *PP2, *Z_ONLY, *LB, "4"], "z_bias_4_layers"),
