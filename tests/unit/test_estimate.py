@@ -2,8 +2,10 @@
 real collectives of the same code, and the CLIs at 8B-405B scale (all in-process, on CPU)."""
 
 import contextlib
+import dataclasses
 import importlib.util
 import io
+import re
 import time
 
 import pytest
@@ -20,8 +22,9 @@ from models import arg_overrides, build_model_args, get_model_spec, model_args_f
 from parallelisms.init_weights import materialize
 from parallelisms.memory_report import memory_report
 from parallelisms.parallel_dims import ParallelDims
+from planning.advise import Workload, advise, fits
 from planning.communication import Cluster, Experts, Layout, all_to_all_bytes, comm_per_step
-from planning.memory import korthikanti_layer_bytes, zero_bytes_per_param
+from planning.memory import GIB, korthikanti_layer_bytes, zero_bytes_per_param
 from planning.simulate import count_experts, gathered_elements, on_ep_mesh, simulate
 from training.loss import cross_entropy_sum
 from training.optimizer import build_optimizer
@@ -430,3 +433,42 @@ def test_count_experts_from_the_ep_sharded_parameters():
     experts = count_experts(get_model_spec("qwen3_moe"), args, cfg)
     assert experts == Experts(128, 8, 94, 94 * 128 * 3 * 4096 * 1536)
     assert count_experts(get_model_spec("llama3"), _args(_cfg()), _cfg()) is None
+
+
+def test_advise_proposes_ep_inside_a_node_for_235b_on_8x8_gpus():
+    """Qwen3-MoE 235B-A22B on 8 nodes x 8 GPUs of 141 GiB: an EP degree > 1 dividing the 128
+    experts and the FSDP degree, its EP x TP group inside a node, fitting memory in the
+    search and in the check with the real parallelize functions."""
+    cli = _script()
+    out = io.StringIO()
+    args = ["--advise", "--config", "debug_model", *QWEN3_MOE.split(), "--model.flavor"]
+    args += ["235B-A22B", "--training.seq_len", "4096", "--nodes", "8", "--device-memory-gib"]
+    with contextlib.redirect_stdout(out):
+        assert cli.main([*args, "141"]) == 0
+    text = out.getvalue()
+    found = re.search(r"Proposed: TP (\d+) x PP (\d+) x FSDP (\d+) \(EP (\d+) of them\)", text)
+    assert found, text
+    tp, pp, dp, ep = map(int, found.groups())
+    assert ep > 1 and 128 % ep == 0 and dp % ep == 0 and ep * tp <= 8
+    assert f"- EP {ep}: each rank holds {128 // ep} of the 128 experts" in text
+    assert "run over NVLink" in text and "ep (" in text
+    checked = text.split("Checked with the real parallelize functions")[1]
+    assert f"tp={tp} ep={ep}" in checked and " fits" in checked
+    assert "DOES NOT FIT" not in checked
+
+
+def test_advise_search_for_235b_keeps_ep_groups_in_a_node_and_fits():
+    cfg = _moe_cfg("--model.flavor 235B-A22B --training.seq_len 4096")
+    args = model_args_for(cfg.model, cfg.training.seq_len)
+    spec = get_model_spec("qwen3_moe")
+    experts = count_experts(spec, args, cfg)
+    work = Workload(args, 235_093_634_560, 1.6e11, 4096, 1024, spec.block_activation_bytes, 4)
+    cluster = Cluster(nodes=8, memory_gib=141)
+    advice = advise(dataclasses.replace(work, experts=experts), cluster)
+    best = advice.best
+    assert best is not None and best.layout.ep > 1 and fits(best, cluster)
+    assert best.memory <= 0.9 * 141 * GIB
+    assert all(c.layout.ep * c.layout.tp <= 8 for c in advice.tried)  # nothing crossed nodes
+    assert {c.layout.ep for c in advice.tried} == {1, 2, 4, 8}
+    # without experts the same shapes search TP x PP x FSDP only
+    assert {c.layout.ep for c in advise(work, cluster).tried} == {1}
