@@ -8,7 +8,10 @@ The contract a family folder `models/<name>/` fulfils (Llama 3 and Qwen3 are the
   generator)` (the full value of one parameter), `init_buffers(device)`, and `tie_weights()`
   when some parameters are shared (called again after materialisation, which unties them);
 - `args` dataclass fields the framework reads: `n_layers`, `n_heads`, `head_dim`, `dim`,
-  `vocab_size`, `max_seq_len`; the `[model]` shape overrides replace fields of that name;
+  `vocab_size`, `max_seq_len`; the `[model]` shape overrides replace fields of that name; a
+  mixture-of-experts family (one with `routing` hooks) also `n_experts` and `top_k`, which
+  the estimator reads (EP degrees, all-to-all volume; it finds the expert parameters
+  themselves as the ones its parallelize function puts on the "ep" mesh);
 - `parallelize_fn(model, parallel_dims, job_config, device_type)`: TP plan, AC, compile and
   FSDP units applied with the generic `parallelisms` functions (plans are data in the family);
 - `pipeline_fn` (optional): how the model is cut into stages;

@@ -1,9 +1,12 @@
-"""Advice: a proposed mesh (TP x PP x FSDP, AC mode) for a model on a cluster.
+"""Advice: a proposed mesh (TP x PP x FSDP, AC mode; EP for a mixture of experts) for a model
+on a cluster.
 
 `advise` screens every layout with a fast memory formula (`analytic_memory`) and the
 communication model (`planning.communication`), picks the fitting one with the fewest pipeline
 stages and the fastest modelled step, and `explain` says why in words. The choice is then
 checked with the real parallelize functions (`verification_config` + `planning.simulate`).
+For a mixture of experts (`Workload.experts`) the search adds the EP degrees that divide the
+experts and the data-parallel degree, EP groups inside a node first.
 """
 
 from __future__ import annotations
@@ -15,7 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from planning.communication import Cluster, Comm, Layout, comm_per_step, compute_seconds
+from planning.communication import (
+    Cluster,
+    Comm,
+    Experts,
+    Layout,
+    comm_per_step,
+    compute_seconds,
+)
 from planning.memory import GIB, korthikanti_layer_bytes
 
 _HEADROOM = 0.9  # a layout fits when its estimate stays under 90% of the device
@@ -33,6 +43,7 @@ class Workload:
     global_batch: int
     block_bytes: Callable  # ModelSpec.block_activation_bytes
     micro_batch: int = 1
+    experts: Experts | None = None  # a mixture of experts (`planning.simulate.count_experts`)
 
 
 @dataclass
@@ -72,12 +83,17 @@ def analytic_memory(
     micro: int,
     vocab: int,
     block_bytes: Callable,
+    experts: Experts | None = None,
 ) -> int:
     """Fast per-rank estimate for the search (FSDP, bf16/fp32 as in meshtrain: 16 B/param
-    sharded over tp*pp*dp, plus working set and activations); `simulate` checks the choice."""
-    per = n_params / (layout.tp * layout.pp)
+    sharded over tp*pp*dp, plus working set and activations); `simulate` checks the choice.
+    `experts` are not split by TP: sharded over pp*dp (EP x the ranks outside it), and a
+    block's gathered experts are its EP share, 1/ep of them."""
+    e = experts.params if experts is not None else 0
+    per = (n_params - e) / (layout.tp * layout.pp) + e / layout.pp
     states = 16 * per / layout.dp
-    block = (n_params - 2 * vocab * model_args.dim) / model_args.n_layers / layout.tp
+    block = (n_params - e - 2 * vocab * model_args.dim) / model_args.n_layers / layout.tp
+    block += e / model_args.n_layers / layout.ep
     working = block * 2 * 2 + block * 6 + (2 * vocab * model_args.dim / layout.tp) * 2
     layers = math.ceil(model_args.n_layers / layout.pp)
     b = 1 if layout.pp > 1 else micro
@@ -117,8 +133,9 @@ def _evaluate(
     pp = layout.pp
     accum = 1 if pp > 1 else local // micro
     args = work.model_args
+    experts = work.experts
     mem = analytic_memory(
-        args, work.n_params, layout, work.seq_len, micro, args.vocab_size, work.block_bytes
+        args, work.n_params, layout, work.seq_len, micro, args.vocab_size, work.block_bytes, experts
     )
     comms = comm_per_step(
         args,
@@ -129,15 +146,30 @@ def _evaluate(
         local_batch=local if pp > 1 else micro,
         accum=accum,
         microbatch=micro,
+        experts=experts,
     )
-    comp = compute_seconds(work.flops_per_token, local * work.seq_len, layout, cluster)
+    unsplit = 6 * experts.active_params if experts is not None else 0.0  # experts: not TP-split
+    comp = compute_seconds(work.flops_per_token, local * work.seq_len, layout, cluster, unsplit)
     bubble = comp * (pp - 1) / local if pp > 1 else 0.0
     return Candidate(layout, mem, comp, comms, bubble, micro, accum)
 
 
-def _candidates(work: Workload, cluster: Cluster, tp: int, pp: int) -> list[Candidate]:
-    """Every micro-batch size and AC mode at TP `tp` x PP `pp` x FSDP (the rest); none when
-    the degrees or the batch do not divide."""
+def _ep_degrees(work: Workload, cluster: Cluster, tp: int, dp: int, across: bool) -> list[int]:
+    """EP degrees dividing the experts and the data-parallel degree whose EP group (ep x tp
+    neighbouring ranks) stays inside a node, or (`across`) the larger ones; [1] / [] for a
+    model without experts."""
+    if work.experts is None:
+        return [] if across else [1]
+    n = work.experts.n_experts
+    degrees = [e for e in range(1, min(n, dp) + 1) if n % e == 0 and dp % e == 0]
+    return [e for e in degrees if (e * tp > cluster.gpus_per_node) == across]
+
+
+def _candidates(
+    work: Workload, cluster: Cluster, tp: int, pp: int, across: bool = False
+) -> list[Candidate]:
+    """Every EP degree (`_ep_degrees`), micro-batch size and AC mode at TP `tp` x PP `pp` x
+    FSDP (the rest); none when the degrees or the batch do not divide."""
     world = cluster.world
     if world % (tp * pp):
         return []
@@ -153,7 +185,8 @@ def _candidates(work: Workload, cluster: Cluster, tp: int, pp: int) -> list[Cand
         top = max(d for d in range(1, min(local, work.micro_batch) + 1) if local % d == 0)
         micros = sorted({1, top})
     return [
-        _evaluate(work, cluster, Layout(tp, pp, dp, 3, ac), local, micro)
+        _evaluate(work, cluster, Layout(tp, pp, dp, 3, ac, ep), local, micro)
+        for ep in _ep_degrees(work, cluster, tp, dp, across)
         for micro in micros
         for ac in ("none", "full")
     ]
@@ -164,16 +197,19 @@ def advise(work: Workload, cluster: Cluster) -> Advice:
     batch of `work.global_batch` sequences (each data-parallel rank runs global_batch / dp of
     them in micro-batches of up to `work.micro_batch`; PP uses micro-batches of 1). Proposes
     the fitting layout with the fewest pipeline stages and the fastest modelled step. PP is
-    used only when nothing fits without it (bubble, schedule constraints)."""
+    used only when nothing fits without it (bubble, schedule constraints). With experts, EP
+    groups (ep x tp ranks) stay inside a node unless nothing fits at that PP degree: the
+    all-to-alls are per layer and on the critical path, so they need NVLink."""
     args = work.model_args
     tps = _tp_degrees(args, cluster.gpus_per_node)
     tried = []
     for pp in (p for p in (1, 2, 4, 8, 16, 32) if p <= args.n_layers):
-        at_pp = [c for tp in tps for c in _candidates(work, cluster, tp, pp)]
-        tried += at_pp
-        fitting = sorted((c for c in at_pp if fits(c, cluster)), key=lambda c: c.step)
-        if fitting:
-            return Advice(fitting[0], tried)
+        for across in (False, True):
+            at_pp = [c for tp in tps for c in _candidates(work, cluster, tp, pp, across)]
+            tried += at_pp
+            fitting = sorted((c for c in at_pp if fits(c, cluster)), key=lambda c: c.step)
+            if fitting:
+                return Advice(fitting[0], tried)
     return Advice(None, tried)
 
 
@@ -190,25 +226,48 @@ def format_header(model: str, work: Workload, cluster: Cluster) -> list[str]:
         f"{cluster.intra_bps / 1e9:.0f} GB/s per direction x efficiency; inter-node "
         f"{cluster.inter_gbits:g} Gb/s per GPU -> {cluster.inter_bps / 1e9:.0f} GB/s. Compute: "
         f"{cluster.peak_tflops:g} TFLOP/s peak at {cluster.mfu:.0%} MFU.",
-    ]
+    ] + ([_experts_line(work.experts)] if work.experts is not None else [])
 
 
-def format_candidates(advice: Advice) -> list[str]:
-    """One table row per candidate tried, the proposed one marked `<-`."""
+def _experts_line(e: Experts) -> str:
+    return (
+        f"Experts: {e.layers} MoE layers x {e.n_experts} experts, top-{e.top_k} per token: "
+        f"{e.params / 1e9:.1f}B expert params, {e.active_params / 1e9:.1f}B of them active per "
+        f"token. EP degrees tried: those dividing {e.n_experts} and the FSDP degree, with EP x "
+        "TP inside a node first."
+    )
+
+
+def format_candidates(advice: Advice, ep_columns: bool = False) -> list[str]:
+    """One table row per candidate tried, the proposed one marked `<-`. `ep_columns` (a model
+    with experts): the EP degree and EP's all-to-all time; the dp time then includes the
+    experts' own FSDP traffic (over the ranks outside EP)."""
+    ep_head, ep_comm_head = (f" {'ep':>3}", f" {'ep comm s':>9}") if ep_columns else ("", "")
     lines = [
-        f"{'tp':>3} {'pp':>3} {'dp':>5} {'ac':>5} {'mb x acc':>8} {'mem GiB':>8} {'compute s':>9} "
-        f"{'dp comm s':>9} {'tp comm s':>9} {'pp comm s':>9} {'bubble s':>8} {'step s':>7}",
+        f"{'tp':>3} {'pp':>3}{ep_head} {'dp':>5} {'ac':>5} {'mb x acc':>8} {'mem GiB':>8} "
+        f"{'compute s':>9} {'dp comm s':>9} {'tp comm s':>9} {'pp comm s':>9}{ep_comm_head} "
+        f"{'bubble s':>8} {'step s':>7}",
     ]
     for c in advice.tried:
         by = {x.dim: x.seconds for x in c.comms}
+        dp_s = by.get("dp", 0) + by.get("dp_shard_mod_ep", 0)
         mark = " <-" if c is advice.best else ""
         lay = c.layout
+        ep, ep_s = (f" {lay.ep:>3}", f" {by.get('ep', 0):>9.3f}") if ep_columns else ("", "")
         lines.append(
-            f"{lay.tp:>3} {lay.pp:>3} {lay.dp:>5} {lay.ac:>5} {f'{c.micro_batch}x{c.accum}':>8} "
-            f"{c.memory / GIB:>8.1f} {c.compute:>9.2f} {by.get('dp', 0):>9.3f} "
-            f"{by.get('tp', 0):>9.3f} {by.get('pp', 0):>9.3f} {c.bubble:>8.2f} {c.step:>7.2f}{mark}"
+            f"{lay.tp:>3} {lay.pp:>3}{ep} {lay.dp:>5} {lay.ac:>5} "
+            f"{f'{c.micro_batch}x{c.accum}':>8} {c.memory / GIB:>8.1f} {c.compute:>9.2f} "
+            f"{dp_s:>9.3f} {by.get('tp', 0):>9.3f} {by.get('pp', 0):>9.3f}{ep_s} "
+            f"{c.bubble:>8.2f} {c.step:>7.2f}{mark}"
         )
     return lines
+
+
+def _mesh(lay: Layout) -> str:
+    """ "TP t x PP p x FSDP d", with " (EP e of them)" under expert parallelism."""
+    return f"TP {lay.tp} x PP {lay.pp} x FSDP {lay.dp}" + (
+        f" (EP {lay.ep} of them)" if lay.ep > 1 else ""
+    )
 
 
 def _traffic_reasons(best: Candidate) -> list[str]:
@@ -229,8 +288,9 @@ def _traffic_reasons(best: Candidate) -> list[str]:
     return lines
 
 
-def _alternatives(advice: Advice, cluster: Cluster) -> list[str]:
-    """The runner-up that fits and the layouts (up to the proposed PP) rejected for memory."""
+def _alternatives(advice: Advice, cluster: Cluster, smallest_only: bool = False) -> list[str]:
+    """The runner-up that fits and the layouts (up to the proposed PP) rejected for memory
+    (`smallest_only`: one per mesh and AC mode, its smallest micro-batch's memory)."""
     best, lines = advice.best, []
     others = sorted(
         (c for c in advice.tried if c is not best and fits(c, cluster)),
@@ -239,17 +299,23 @@ def _alternatives(advice: Advice, cluster: Cluster) -> list[str]:
     if others:
         o = others[0]
         lines.append(
-            f"- Runner-up: TP {o.layout.tp} x PP {o.layout.pp} x FSDP {o.layout.dp}, AC "
-            f"{o.layout.ac}: {o.step:.2f} s per step"
+            f"- Runner-up: {_mesh(o.layout)}, AC {o.layout.ac}: {o.step:.2f} s per step"
             + (" (full AC recomputes the forward: +1/3 compute)" if o.layout.ac == "full" else "")
             + "."
         )
     unfit = [c for c in advice.tried if c.layout.pp <= best.layout.pp and not fits(c, cluster)]
+    if smallest_only:
+        by_mesh = {}
+        for c in sorted(unfit, key=lambda c: -c.memory):
+            by_mesh[(c.layout.tp, c.layout.pp, c.layout.ep, c.layout.ac)] = c
+        unfit = [c for c in unfit if c in by_mesh.values()]
     if unfit:
         lines.append(
             "- Rejected for memory (> 90% of the device): "
             + ", ".join(
-                f"TP {c.layout.tp}/PP {c.layout.pp}/AC {c.layout.ac} {c.memory / GIB:.0f} GiB"
+                f"TP {c.layout.tp}/PP {c.layout.pp}"
+                + (f"/EP {c.layout.ep}" if c.layout.ep > 1 else "")
+                + f"/AC {c.layout.ac} {c.memory / GIB:.0f} GiB"
                 for c in unfit
             )
             + "."
@@ -257,8 +323,37 @@ def _alternatives(advice: Advice, cluster: Cluster) -> list[str]:
     return lines
 
 
-def explain(advice: Advice, cluster: Cluster) -> list[str]:
-    """The proposal and why, in words (or that nothing fits)."""
+def _ep_reasons(advice: Advice, cluster: Cluster, experts: Experts) -> list[str]:
+    """Why this EP degree: what it saves and costs, and the best fitting step time of each
+    other EP degree tried at the proposal's TP and PP."""
+    lay, n = advice.best.layout, experts.n_experts
+    group = lay.ep * lay.tp
+    if lay.ep == 1:
+        lines = [f"- No EP: every rank gathers all {n} experts of a layer and needs no all-to-all."]
+    else:
+        where = (
+            f"inside a node ({lay.ep} x TP {lay.tp} = {group} <= {cluster.gpus_per_node} GPUs), "
+            "so the all-to-alls, per MoE layer and on the critical path, run over NVLink"
+            if group <= cluster.gpus_per_node
+            else "across nodes: no layout with the EP group inside a node fits memory"
+        )
+        lines = [
+            f"- EP {lay.ep}: each rank holds {n // lay.ep} of the {n} experts of every MoE layer, "
+            f"so FSDP gathers 1/{lay.ep} of them (over the {lay.dp // lay.ep} ranks outside EP) "
+            f"instead of all; the EP group stays {where}."
+        ]
+    same = [c for c in advice.tried if (c.layout.tp, c.layout.pp) == (lay.tp, lay.pp)]
+    others = []
+    for ep in sorted({c.layout.ep for c in same} - {lay.ep}):
+        ok = [c.step for c in same if c.layout.ep == ep and fits(c, cluster)]
+        others.append(f"EP {ep} " + (f"{min(ok):.2f} s" if ok else "does not fit"))
+    if others:
+        lines.append(f"- Other EP degrees at TP {lay.tp} x PP {lay.pp}: " + ", ".join(others) + ".")
+    return lines
+
+
+def explain(advice: Advice, cluster: Cluster, experts: Experts | None = None) -> list[str]:
+    """The proposal and why, in words (or that nothing fits); `experts`: why its EP degree."""
     best = advice.best
     if best is None:
         return ["No layout fits: add GPUs, lower seq_len/local batch or use CPU offload."]
@@ -270,10 +365,11 @@ def explain(advice: Advice, cluster: Cluster) -> list[str]:
     )
     return [
         "",
-        f"Proposed: TP {lay.tp} x PP {lay.pp} x FSDP {lay.dp}, AC {lay.ac}.",
+        f"Proposed: {_mesh(lay)}, AC {lay.ac}.",
         "Why:",
         *_traffic_reasons(best),
-        *_alternatives(advice, cluster),
+        *(_ep_reasons(advice, cluster, experts) if experts is not None else []),
+        *_alternatives(advice, cluster, smallest_only=experts is not None),
         f"- PP {lay.pp}: {pp_reason}",
         f"- Step time model: {best.step:.2f} s (compute {best.compute:.2f} s).",
     ]
@@ -296,9 +392,14 @@ def replace_parallelism(cfg, **values):
 
 
 def verification_config(cfg, best: Candidate, global_batch: int):
-    """A copy of `cfg` laid out as `best` proposes (FSDP over the rest, 1F1B with micro-batches
-    of 1 under PP), to check the proposal with the real parallelize functions."""
+    """A copy of `cfg` laid out as `best` proposes (FSDP over the rest, its EP degree, 1F1B with
+    micro-batches of 1 under PP), to check the proposal with the real parallelize functions."""
     lay = best.layout
+    ep = (
+        {}
+        if lay.ep == cfg.parallelism.expert_parallel_degree
+        else {"expert_parallel_degree": lay.ep}
+    )
     vcfg = replace_parallelism(
         cfg,
         tensor_parallel_degree=lay.tp,
@@ -307,6 +408,7 @@ def verification_config(cfg, best: Candidate, global_batch: int):
         data_parallel_replicate_degree=1,
         zero_stage=3,
         ac=lay.ac,
+        **ep,
     )
     local = global_batch // lay.dp
     vcfg.training.local_batch_size = local if lay.pp > 1 else best.micro_batch

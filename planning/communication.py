@@ -4,6 +4,12 @@ the link that dimension uses, and the modelled compute time they hide behind (or
 Ring collectives: an all-gather or reduce-scatter of a tensor of S bytes sends (n-1)/n S per
 rank, an all-reduce twice that. Mesh order (outer to inner) pp, dp, tp, so TP groups are the
 closest ranks. `tests/test_estimate.py` checks the bytes against the collectives of a real step.
+
+Mixture of experts (`Experts`): the EP ranks are the innermost data-parallel ranks (next to
+TP, see `parallelisms/parallel_dims.py`), so an EP group spans ep x tp neighbouring ranks.
+Per MoE layer and micro-batch each rank sends its tokens' top_k rows to the experts' owners
+and gets the outputs back (`all_to_all_bytes`); the experts are FSDP-sharded over the
+dp / ep ranks outside EP, and TP does not split them.
 """
 
 from __future__ import annotations
@@ -55,13 +61,31 @@ class Comm:
 
 @dataclass
 class Layout:
-    """A mesh to model: degrees and how it trades memory for compute."""
+    """A mesh to model: degrees and how it trades memory for compute (`ep`: expert-parallel
+    ranks drawn from the `dp` ones)."""
 
     tp: int
     pp: int
     dp: int
     zero_stage: int = 3
     ac: str = "none"
+    ep: int = 1
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts model's experts: `layers` MoE layers of `n_experts` each, `top_k`
+    chosen per token, `params` expert parameters in all (`planning.simulate.count_experts`)."""
+
+    n_experts: int
+    top_k: int
+    layers: int
+    params: int
+
+    @property
+    def active_params(self) -> float:
+        """Expert parameters one token uses (top_k of n_experts in each MoE layer)."""
+        return self.params * self.top_k / self.n_experts
 
 
 def _link(stride: int, size: int, cluster: Cluster) -> tuple[str, float]:
@@ -79,6 +103,16 @@ def _comm(
     return Comm(dim, size, link, nbytes, nbytes / bandwidth, exposed, what)
 
 
+def _gathers(layout: Layout, stage_layers: int, accum: int, own_unit: bool) -> int:
+    """Block-sized FSDP all-gathers per step: under PP one per block (kept gathered for the
+    whole step); else per micro-step two per block (forward, backward) but one for the last
+    block, kept from its forward into its backward; a unit of its own (the experts under EP)
+    is freed after every forward, so gathered twice in every block."""
+    if layout.pp > 1:
+        return stage_layers
+    return accum * (2 * stage_layers - (0 if own_unit else 1))
+
+
 def _dp_comm(
     model_args,
     n_params: int,
@@ -87,25 +121,26 @@ def _dp_comm(
     accum: int,
     param_bytes: int,
     reduce_bytes: int,
+    experts: Experts | None = None,
 ) -> Comm:
     """The data-parallel dimension: FSDP's gathers and gradient reduce-scatter, or the
-    all-reduce / reduce-scatter + all-gather of DDP and ZeRO-1/2 (overlapped with compute)."""
+    all-reduce / reduce-scatter + all-gather of DDP and ZeRO-1/2 (overlapped with compute).
+    Experts without EP travel here too, whole on every TP rank (TP does not split them)."""
     tp, pp, dp = layout.tp, layout.pp, layout.dp
     v, h = model_args.vocab_size, model_args.dim
     stage_layers = math.ceil(model_args.n_layers / pp)
     root = (2 * v * h + h) if pp == 1 else v * h  # one stage holds embedding or output
-    block = (n_params - 2 * v * h - h) / model_args.n_layers
+    expert_params = experts.params if experts is not None else 0
+    block = (n_params - expert_params - 2 * v * h - h) / model_args.n_layers
+    in_dp = expert_params / model_args.n_layers if layout.ep == 1 else 0.0
     frac = (dp - 1) / dp
-    stage_params = (root + stage_layers * block) / tp
+    stage_params = (root + stage_layers * block) / tp + stage_layers * in_dp
     if layout.zero_stage == 3:
-        gathered = (
-            (root + stage_layers * block)
-            if pp > 1
-            else accum * (root + (2 * stage_layers - 1) * block)
-        )
-        nbytes = frac * (gathered / tp * param_bytes + stage_params * reduce_bytes)
+        g = _gathers(layout, stage_layers, accum, own_unit=False)
+        gathered = (root * (accum if pp == 1 else 1) + g * block) / tp + g * in_dp
+        nbytes = frac * (gathered * param_bytes + stage_params * reduce_bytes)
         what = (
-            f"FSDP: all-gathers of {gathered / tp / 1e9:.2f}B params + reduce-scatter "
+            f"FSDP: all-gathers of {gathered / 1e9:.2f}B params + reduce-scatter "
             f"of {stage_params / 1e9:.2f}B gradients"
         )
     elif layout.zero_stage == 0:
@@ -119,19 +154,88 @@ def _dp_comm(
     return _comm("dp", tp, dp, cluster, nbytes, False, what)
 
 
+def _expert_fsdp_comm(
+    model_args, layout: Layout, cluster: Cluster, experts: Experts, accum: int, pb: int, rb: int
+) -> Comm | None:
+    """Under EP the experts' own FSDP units over the dp / ep ranks outside EP ("dp_shard_mod_ep",
+    ep x tp apart): each gathers this rank's 1/ep of a layer's experts; None on one rank."""
+    size = layout.dp // layout.ep
+    if size == 1:
+        return None
+    stage_layers = math.ceil(model_args.n_layers / layout.pp)
+    share = experts.params / model_args.n_layers / layout.ep  # one layer's experts on this rank
+    gathered = _gathers(layout, stage_layers, accum, own_unit=True) * share
+    nbytes = (size - 1) / size * (gathered * pb + stage_layers * share * rb)
+    what = (
+        f"FSDP of the experts (1/{layout.ep} of each layer's): all-gathers of "
+        f"{gathered / 1e9:.2f}B params + reduce-scatter of {stage_layers * share / 1e9:.2f}B "
+        "gradients"
+    )
+    return _comm("dp_shard_mod_ep", layout.tp * layout.ep, size, cluster, nbytes, False, what)
+
+
+def _stage_moe_layers(model_args, layout: Layout, experts: Experts | None) -> int:
+    """MoE layers on one pipeline stage (their share of its layers)."""
+    if experts is None:
+        return 0
+    stage_layers = math.ceil(model_args.n_layers / layout.pp)
+    return math.ceil(experts.layers * stage_layers / model_args.n_layers)
+
+
+def all_to_all_bytes(
+    tokens: int, top_k: int, dim: int, ep: int, layers: int, param_bytes: int, recompute: bool
+) -> float:
+    """Bytes one rank sends per micro-step in the MoE all-to-alls: per MoE layer a dispatch
+    (its `tokens` x `top_k` rows of `dim` values to the experts' ranks) and a combine (the
+    outputs back) in forward, the same two in backward (their gradients), two more when full
+    AC recomputes the forward; (ep - 1) / ep of the rows leave the rank (balanced routing)."""
+    passes = 4 + (2 if recompute else 0)
+    return passes * layers * tokens * top_k * dim * param_bytes * (ep - 1) / ep
+
+
+def _ep_comm(
+    model_args, layout: Layout, cluster: Cluster, experts: Experts, tokens: int, steps: int, pb: int
+) -> Comm:
+    """EP's all-to-alls over the ep ranks (tp apart), on the critical path: the experts wait
+    for their rows. Under TP every TP rank routes the whole sequence (tokens not split)."""
+    layers = _stage_moe_layers(model_args, layout, experts)
+    full = layout.ac == "full"
+    per_micro = all_to_all_bytes(tokens, experts.top_k, model_args.dim, layout.ep, layers, pb, full)
+    rows = tokens * experts.top_k * model_args.dim * pb
+    what = (
+        f"EP: dispatch + combine all-to-alls of {tokens:,} tokens x top-{experts.top_k} rows "
+        f"({rows / 2**20:.0f} MiB) per MoE layer and micro-batch, forward and backward"
+        + (" and the full-AC recompute" if full else "")
+    )
+    return _comm("ep", layout.tp, layout.ep, cluster, per_micro * steps, True, what)
+
+
 def _tp_comm(
-    layout: Layout, cluster: Cluster, act: float, stage_layers: int, micro_steps: int
+    layout: Layout,
+    cluster: Cluster,
+    act: float,
+    stage_layers: int,
+    micro_steps: int,
+    moe_layers: int = 0,
 ) -> Comm:
     """TP with sequence parallelism, per layer and micro-batch: 2 all-gathers + 2
     reduce-scatters of the [b, s, h] activation `act` in forward, 4 in backward (+4 for a
-    full AC recompute), plus the embedding's reduce-scatter and the output's all-gather."""
+    full AC recompute), plus the embedding's reduce-scatter and the output's all-gather.
+    Of the `moe_layers` 2 fewer each way (one fewer in the recompute): the MoE layer
+    all-gathers its input and keeps its sequence shard of the output (the TP ranks run the
+    same tokens on unsplit experts, no reduce-scatter), backward all-gathers its output
+    gradient."""
     tp = layout.tp
-    per_layer = 8 + (4 if layout.ac == "full" else 0)
+    full = layout.ac == "full"
+    per_layer = 8 + (4 if full else 0)
+    per_moe = per_layer - 2 - (1 if full else 0)
     ends = (2 if layout.pp == 1 else 1) * 2  # embedding RS / output AG, forward + backward
-    nbytes = (tp - 1) / tp * act * (per_layer * stage_layers + ends) * micro_steps
+    count = per_layer * (stage_layers - moe_layers) + per_moe * moe_layers + ends
+    nbytes = (tp - 1) / tp * act * count * micro_steps
     what = (
         f"TP+SP: {per_layer} all-gathers/reduce-scatters of a {act / 2**20:.0f} MiB "
-        f"activation per layer and micro-batch"
+        "activation per layer and micro-batch"
+        + (f" ({per_moe} in each of {moe_layers} MoE layers)" if moe_layers else "")
     )
     return _comm("tp", 1, tp, cluster, nbytes, True, what)
 
@@ -155,6 +259,7 @@ def comm_per_step(
     microbatch: int = 1,
     param_bytes: int = 2,
     reduce_bytes: int = 4,
+    experts: Experts | None = None,
 ) -> list[Comm]:
     """Bytes each rank sends per optimizer step along each mesh dimension and the time over
     the link that dimension uses.
@@ -162,27 +267,45 @@ def comm_per_step(
     FSDP follows meshtrain's resharding: per micro-step the final norm + output unit and the
     embeddings (whose backward needs no weights) are gathered once, every block twice
     (forward, backward) except the last, which stays gathered; gradients are reduce-scattered
-    once per step. Under PP parameters stay gathered for the whole step. TP and PP move
-    activations in the compute dtype (`param_bytes`)."""
+    once per step. Under PP parameters stay gathered for the whole step. TP, PP and EP move
+    activations in the compute dtype (`param_bytes`). `experts`: a mixture-of-experts model
+    (with `layout.ep` > 1, the experts' own FSDP traffic and EP's all-to-alls)."""
     out = []
     if layout.dp > 1:
-        dp = _dp_comm(model_args, n_params, layout, cluster, accum, param_bytes, reduce_bytes)
-        out.append(dp)
+        out.append(
+            _dp_comm(
+                model_args, n_params, layout, cluster, accum, param_bytes, reduce_bytes, experts
+            )
+        )
     pp = layout.pp
     b = microbatch if pp > 1 else local_batch
     micro_steps = accum * (max(1, local_batch // microbatch) if pp > 1 else 1)
     act = seq_len * b * model_args.dim * param_bytes  # one [b, s, h] activation
+    if experts is not None and layout.ep > 1:
+        expert_dp = _expert_fsdp_comm(
+            model_args, layout, cluster, experts, accum, param_bytes, reduce_bytes
+        )
+        out += [expert_dp] if expert_dp is not None else []
+        out.append(
+            _ep_comm(model_args, layout, cluster, experts, seq_len * b, micro_steps, param_bytes)
+        )
     if layout.tp > 1:
         stage_layers = math.ceil(model_args.n_layers / pp)
-        out.append(_tp_comm(layout, cluster, act, stage_layers, micro_steps))
+        moe = _stage_moe_layers(model_args, layout, experts)
+        out.append(_tp_comm(layout, cluster, act, stage_layers, micro_steps, moe))
     if pp > 1:
         out.append(_pp_comm(layout, cluster, act, micro_steps))
     return out
 
 
-def compute_seconds(fpt: float, tokens_per_rank: float, layout: Layout, cluster: Cluster) -> float:
-    """Model FLOPs / (peak x MFU), with full AC's extra forward (x 4/3)."""
-    flops = fpt * tokens_per_rank / (layout.tp * layout.pp)
+def compute_seconds(
+    fpt: float, tokens_per_rank: float, layout: Layout, cluster: Cluster, unsplit_fpt: float = 0.0
+) -> float:
+    """Model FLOPs / (peak x MFU), with full AC's extra forward (x 4/3). `unsplit_fpt`: the
+    part of `fpt` that TP does not divide (MoE experts: every TP rank runs its experts on the
+    whole sequence)."""
+    flops = (fpt - unsplit_fpt) * tokens_per_rank / (layout.tp * layout.pp)
+    flops += unsplit_fpt * tokens_per_rank / layout.pp
     if layout.ac == "full":
         flops *= 4 / 3
     return flops / (cluster.peak_tflops * 1e12 * cluster.mfu)

@@ -6,12 +6,20 @@ model's real parallelize function (or its pipeline split), then reads what each 
 the local shards of the parameters, and from them gradients and AdamW state as the chosen
 ZeRO stage keeps them, FSDP's gathered units in flight, and activations (`planning.memory`).
 
+Expert parameters are those the parallelize function made DTensors on a mesh with an "ep"
+dimension (`parallelisms.expert_parallel`): each EP rank holds 1/ep of every MoE layer's
+experts, FSDP-sharded further over "dp_shard_mod_ep"; their FSDP unit is gathered over those
+ranks only, which the DTensor placements tell `gathered_elements`. `count_experts` finds them
+the same way for the analytic models (`planning.advise`).
+
 This module imports no model: callers pass the model spec (`models.get_model_spec`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +29,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from parallelisms.mixed_precision import mixed_precision_dtypes
 from parallelisms.parallel_dims import ParallelDims
+from planning.communication import Experts
 from planning.memory import GIB, rank_activations
 
 _STEP_BYTES = 4  # AdamW's per-parameter `step` counter (an fp32 scalar tensor)
@@ -40,6 +49,8 @@ class RankMemory:
     working: int  # FSDP: gathered parameters/gradients of the blocks in flight
     activations: int
     notes: list[str] = field(default_factory=list)
+    expert_bytes: int = 0  # of `params`: this rank's shards of the expert parameters
+    expert_gathered: int = 0  # elements of one block's experts while gathered (its EP share)
 
     @property
     def states(self) -> int:
@@ -70,6 +81,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 # -------------------------------------------------------------- what a parallelized part holds
 def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
+
+
+def on_ep_mesh(p: torch.Tensor) -> bool:
+    """An expert parameter: a DTensor on a mesh with an "ep" dimension."""
+    return isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())
 
 
 def _dp_factor(p: torch.Tensor) -> int:
@@ -194,7 +210,30 @@ def _measure(
             cfg, model_args, dims, pp_rank, layers, has_output, block_bytes, scores_stored
         )
         act, note = estimate.total, estimate.describe()
-    return RankMemory(rank, pp_rank, layers, n_local, params, grads, optim, working, act, [note])
+    expert_bytes, expert_gathered, expert_note = _experts_held(parts, dims, param_bytes)
+    notes = [note] + ([expert_note] if expert_note else [])
+    return RankMemory(
+        rank, pp_rank, layers, n_local, params, grads, optim, working, act, notes,
+        expert_bytes, expert_gathered,
+    )  # fmt: skip
+
+
+def _experts_held(parts: list[nn.Module], dims: ParallelDims, param_bytes: int):
+    """(bytes of this rank's expert parameter shards, elements of one block's experts while
+    FSDP has them gathered (the largest), a note; 0, 0, None without EP)."""
+    blocks = [b for part in parts for b in part.layers.values()]
+    experts = [[p for p in b.parameters() if on_ep_mesh(p)] for b in blocks]
+    if not any(experts):
+        return 0, 0, None
+    held = sum(_local(p).numel() * _local(p).element_size() for ps in experts for p in ps)
+    gathered = max(sum(_local(p).numel() * _dp_factor(p) for p in ps) for ps in experts)
+    note = (
+        f"experts: 1/{dims.ep} of each MoE layer's on this EP rank, FSDP-sharded over the "
+        f"{dims.dp_shard // dims.ep} rank(s) outside EP (dp_shard_mod_ep): "
+        f"{held / GIB:.2f} GiB of the params column; one layer's gathered "
+        f"{gathered * param_bytes / GIB:.2f} GiB ({gathered:,} elements, in the fsdp buf)"
+    )
+    return held, gathered, note
 
 
 # ---------------------------------------------------------------------------- simulate
@@ -249,11 +288,6 @@ def simulate(
     sizes up to shard rounding, and middle stages lie between the first two in activations.
     `scores_stored`: count the s x s attention scores (an unfused attention kernel).
     """
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        raise RuntimeError("simulate() needs a process without a process group")
     dtypes = mixed_precision_dtypes(cfg.training, device_type)
     cfg = copy.deepcopy(cfg)
     # the parts are built for "cpu": pin the compute dtype `device_type` resolves to
@@ -264,18 +298,63 @@ def simulate(
     block_bytes = spec.block_activation_bytes
     out = []
     for rank in _default_ranks(dims, all_stages) if ranks is None else ranks:
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-        try:
-            dims.mesh = None
-            dims.build_mesh("cpu")
+        with _fake_rank(dims, rank):
             parts = _parallelized_parts(spec, model_args, cfg, dims)
             out.append(
                 _measure(parts, cfg, model_args, dims, rank, dtypes, block_bytes, scores_stored)
             )
-        finally:
-            dist.destroy_process_group()
-            dims.mesh = None
     return Plan(dims, n_total, *dtypes, out, _activation_formula(scores_stored))
+
+
+@contextlib.contextmanager
+def _fake_rank(dims: ParallelDims, rank: int):
+    """This process as `rank` of a fresh `fake` process group of `dims.world_size` ranks
+    (FakeStore), with `dims`' mesh built on it; torn down on exit."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("simulate() needs a process without a process group")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world_size)
+    try:
+        dims.mesh = None
+        dims.build_mesh("cpu")
+        yield dims
+    finally:
+        dist.destroy_process_group()
+        dims.mesh = None
+
+
+def count_experts(spec, model_args, cfg) -> Experts | None:
+    """The model's experts (None for a family without routing hooks or `n_experts`): the
+    model is parallelized on meta as rank 0 of the smallest EP layout that splits its experts
+    (FSDP x EP over as many ranks, no TP/PP/compile), and the parameters it made DTensors on
+    the "ep" mesh are counted (global sizes), with the blocks holding them. `n_experts` and
+    `top_k` are the family's args fields of those names."""
+    n_experts = getattr(model_args, "n_experts", 0)
+    if spec.routing is None or n_experts < 2:
+        return None
+    ep = min(d for d in range(2, n_experts + 1) if n_experts % d == 0)
+    cfg = copy.deepcopy(cfg)
+    cfg.parallelism = dataclasses.replace(
+        cfg.parallelism,
+        data_parallel_replicate_degree=1,
+        data_parallel_shard_degree=ep,
+        tensor_parallel_degree=1,
+        pipeline_parallel_degree=1,
+        expert_parallel_degree=ep,
+        zero_stage=3,
+    )
+    cfg.compile.enable = False
+    dims = ParallelDims.from_parallelism(cfg.parallelism, ep)
+    with _fake_rank(dims, 0):
+        (model,) = _parallelized_parts(spec, model_args, cfg, dims)
+        per_block = [
+            sum(p.numel() for p in block.parameters() if on_ep_mesh(p))
+            for block in model.layers.values()
+        ]
+    layers = sum(1 for n in per_block if n)
+    return Experts(n_experts, model_args.top_k, layers, sum(per_block)) if layers else None
 
 
 def format_plan(plan: Plan, device_memory_gib: float) -> str:
@@ -302,5 +381,7 @@ def format_plan(plan: Plan, device_memory_gib: float) -> str:
         )
     lines.append(f"activations: {plan.activation_formula}")
     for r in plan.ranks:
-        lines.append(f"  rank {r.rank}: {'; '.join(r.notes)}")
+        first, *more = r.notes or [""]
+        lines.append(f"  rank {r.rank}: {first}")
+        lines += [f"    {note}" for note in more]
     return "\n".join(lines)

@@ -7,6 +7,8 @@ proposed mesh for a cluster (see the planning/ package for the models).
     python scripts/estimate.py --exercise 2      # 70B on 8 nodes x 8 H100: proposed mesh
     python scripts/estimate.py --advise --config llama3_405b --gpus-per-node 8 --nodes 64 \
         --intra-node-gbs 900 --inter-node-gbits 400 --device-memory-gib 80
+    python scripts/estimate.py --advise --config debug_model --model.name qwen3_moe \
+        --model.flavor 235B-A22B --training.seq_len 4096 --nodes 8 --device-memory-gib 141
 
 Nothing is allocated: the model is built on the meta device and each simulated rank joins a
 `fake` process group, so 405B on 2048 ranks takes seconds on a laptop CPU.
@@ -33,7 +35,7 @@ from planning.advise import (
 )
 from planning.communication import Cluster
 from planning.memory import GIB, zero_bytes_per_param
-from planning.simulate import format_plan, simulate
+from planning.simulate import count_experts, format_plan, simulate
 
 # Llama 2 13B's shape (the classic ZeRO exercise model): 13.0B parameters.
 LLAMA_13B = ModelArgs(
@@ -42,14 +44,18 @@ LLAMA_13B = ModelArgs(
 
 
 def count(args, name: str = "llama3") -> tuple[int, int]:
-    """(parameters, parameters doing matmul work: without the embeddings unless an output
-    projection shares them) of family `name`'s model with these args, on meta."""
+    """(parameters, parameters one token's matmuls use: without the embeddings unless an
+    output projection shares them; for a family with routing hooks its active parameters, as
+    the trainer counts FLOPs) of family `name`'s model with these args, on meta."""
     import torch
 
     from metrics import count_params
 
+    spec = get_model_spec(name)
     with torch.device("meta"):
-        model = get_model_spec(name).model_cls(args)
+        model = spec.model_cls(args)
+    if spec.routing is not None:
+        return count_params(model), spec.routing.active_params(model)
     return count_params(model), count_params(model, exclude_embedding=True)
 
 
@@ -127,20 +133,22 @@ def advise_report(cfg: JobConfig, cluster: Cluster, global_batch: int, verify: b
     `verify`) the proposal's per-rank table from the real parallelize functions."""
     args = model_args_for(cfg.model, cfg.training.seq_len)
     n, n_no_emb = count(args, cfg.model.name)
-    t = cfg.training
+    t, spec = cfg.training, get_model_spec(cfg.model.name)
     work = Workload(
         args,
         n,
         flops_per_token(n_no_emb, args.n_layers, args.n_heads, args.head_dim, t.seq_len),
         t.seq_len,
         global_batch,
-        get_model_spec(cfg.model.name).block_activation_bytes,
+        spec.block_activation_bytes,
         micro_batch=t.local_batch_size,
+        experts=count_experts(spec, args, cfg),
     )
     advice = advise(work, cluster)
     model = f"{cfg.model.name} {cfg.model.flavor}"
-    lines = [*format_header(model, work, cluster), "", *format_candidates(advice)]
-    lines += explain(advice, cluster)
+    lines = [*format_header(model, work, cluster), ""]
+    lines += format_candidates(advice, ep_columns=work.experts is not None)
+    lines += explain(advice, cluster, work.experts)
     if verify and advice.best is not None:
         vcfg = verification_config(cfg, advice.best, global_batch)
         lines += ["", "Checked with the real parallelize functions (simulated ranks):"]

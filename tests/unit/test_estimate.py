@@ -2,8 +2,10 @@
 real collectives of the same code, and the CLIs at 8B-405B scale (all in-process, on CPU)."""
 
 import contextlib
+import dataclasses
 import importlib.util
 import io
+import re
 import time
 
 import pytest
@@ -20,9 +22,10 @@ from models import arg_overrides, build_model_args, get_model_spec, model_args_f
 from parallelisms.init_weights import materialize
 from parallelisms.memory_report import memory_report
 from parallelisms.parallel_dims import ParallelDims
-from planning.communication import Cluster, Layout, comm_per_step
-from planning.memory import korthikanti_layer_bytes, zero_bytes_per_param
-from planning.simulate import gathered_elements, simulate
+from planning.advise import Workload, advise, fits
+from planning.communication import Cluster, Experts, Layout, all_to_all_bytes, comm_per_step
+from planning.memory import GIB, korthikanti_layer_bytes, zero_bytes_per_param
+from planning.simulate import count_experts, gathered_elements, on_ep_mesh, simulate
 from training.loss import cross_entropy_sum
 from training.optimizer import build_optimizer
 
@@ -156,16 +159,22 @@ def _saved_bytes(block: torch.nn.Module, x: torch.Tensor, skip: set[int], *input
         ("llama3", "debugmodel", {"dim": 256, "n_heads": 8}),
         ("qwen3", "debugmodel", {"dim": 256, "n_heads": 8, "n_kv_heads": 4}),
         ("qwen3", "debugmodel_untied", {"dim": 128, "n_heads": 4, "n_kv_heads": 1}),
+        ("qwen3_moe", "debugmodel", {}),
+        ("qwen3_moe", "debugmodel", {"n_experts": 16, "top_k": 4, "moe_ffn_dim": 96}),
     ],
 )
 def test_family_block_count_equals_saved_activations_on_cpu(name, flavor, shape):
     """Each family's per-layer activation count against the bytes autograd really saves
-    (bf16), within 5%; Qwen3's q/k/v width (n_heads x head_dim) is not its dim."""
+    (bf16, training mode), within 5%; Qwen3's q/k/v width (n_heads x head_dim) is not its
+    dim; Qwen3-MoE's experts see top_k copies of every token (dropless: whatever the routing)."""
     spec = get_model_spec(name)
     s, b = 128, 2
     args = build_model_args(name, flavor, s, None, shape)
     model = spec.model_cls(args).to(torch.bfloat16)
     model.init_buffers("cpu")
+    with torch.no_grad():  # defined values: the MoE router's choices are read from them
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
     skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
     skip.add(model.rope.untyped_storage().data_ptr())
     x = torch.randn(b, s, args.dim, dtype=torch.bfloat16, requires_grad=True)
@@ -180,27 +189,45 @@ def test_korthikanti_reference_counts():
     assert korthikanti_layer_bytes(8, 1, 4, 2, 2, recompute="full") == 2 * 8 * 4 / 2
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_comm_model_equals_counted_collectives(tp):
-    cfg = _cfg(f"--parallelism.tensor_parallel_degree {tp}")
+QWEN3_MOE = "--model.name qwen3_moe --model.flavor debugmodel"
+
+
+@pytest.mark.parametrize(
+    "tp,model,ac",
+    [(1, "", "none"), (2, "", "none"), (1, QWEN3_MOE, "none"), (2, QWEN3_MOE, "full")],
+)
+def test_comm_model_equals_counted_collectives(tp, model, ac):
+    """FSDP and TP+SP bytes against a real step's collectives. Qwen3-MoE (no EP): its experts
+    travel whole with each block's FSDP gathers on every TP rank (TP does not split them),
+    and each MoE layer runs 2 TP collectives fewer each way than a dense feed-forward."""
+    cfg = _cfg(
+        f"--parallelism.tensor_parallel_degree {tp} {model} --activation_checkpoint.mode {ac}"
+    )
     world = 2 * tp  # dp 2 x tp
     counter = CommCounter()
     _real_step(cfg, world, tp, 3, counter)
     args = _args(cfg)
     with torch.device("meta"):
-        n = sum(p.numel() for p in get_model_spec("llama3").model_cls(args).parameters())
+        meta = get_model_spec(cfg.model.name).model_cls(args)
+    n = sum(p.numel() for p in meta.parameters())
+    experts = None
+    if model:
+        expert_params = sum(p.numel() for k, p in meta.named_parameters() if ".experts." in k)
+        experts = Experts(args.n_experts, args.top_k, args.n_layers, expert_params)
     comms = comm_per_step(
         args,
         n,
-        Layout(tp=tp, pp=1, dp=2),
+        Layout(tp=tp, pp=1, dp=2, ac=ac),
         Cluster(),
         seq_len=32,
         local_batch=2,
         param_bytes=4,
         reduce_bytes=4,
+        experts=experts,
     )
     by = {c.dim: c.bytes for c in comms}
-    assert by["dp"] == pytest.approx(counter.sent["c10d"], rel=1e-3)
+    # not modelled: parameters TP replicates (norms, the router) count as TP-split (< 0.2%)
+    assert by["dp"] == pytest.approx(counter.sent["c10d"], rel=2e-3 if model else 1e-3)
     if tp > 1:
         assert by["tp"] == pytest.approx(counter.sent["functional"], rel=1e-3)
         # not modelled: TP all-reduces of norm-weight gradients and loss-parallel statistics
@@ -309,3 +336,139 @@ def test_gathered_elements_equal_fsdp_unsharded_parameters_under_tp():
             )
             assert real == estimated, unit
             unit[-1].reshard()
+
+
+# ------------------------------------------------------------------------ mixture of experts
+def _moe_cfg(extra: str = ""):
+    return parse_args(f"--config debug_model {QWEN3_MOE} {extra}".split())
+
+
+@pytest.mark.parametrize("world,ep", [(2, 2), (4, 4), (4, 2), (8, 4)])
+def test_simulated_expert_bytes_fall_by_the_ep_degree(world, ep):
+    """Qwen3-MoE debugmodel (4 layers x 8 experts of three [128, 256] matrices): each rank
+    gathers 1/ep of a layer's experts (its EP share, over the world / ep ranks outside EP), and
+    holds 1/ep of all experts when EP is all there is (world = ep); FSDP shards the rest."""
+    cfg = _moe_cfg(f"--parallelism.expert_parallel_degree {ep}")
+    spec = get_model_spec("qwen3_moe")
+    rank = simulate(spec, _args(cfg), cfg, world, device_type="cpu", ranks=[0]).ranks[0]
+    one_layer = 3 * 8 * 128 * 256  # w1, w2, w3 of the 8 experts
+    assert rank.expert_gathered == one_layer // ep
+    fp32 = 4
+    assert rank.expert_bytes == 4 * one_layer * fp32 // world  # EP x FSDP = every shard rank
+    if world == ep:
+        assert rank.expert_bytes == 4 * one_layer * fp32 // ep
+
+
+def test_simulated_params_of_a_qwen3_moe_ep_layout_equal_the_shapes():
+    """TP 2 x FSDP 2 with EP 2 (world 4; no rank left outside EP): attention and the vocabulary
+    are split by TP and FSDP, the norms and the router (replicated over TP) by FSDP only, the
+    experts by EP only, none by TP (fp32 parameters on CPU)."""
+    cfg = _moe_cfg("--parallelism.tensor_parallel_degree 2 --parallelism.expert_parallel_degree 2")
+    spec = get_model_spec("qwen3_moe")
+    rank = simulate(spec, _args(cfg), cfg, 4, device_type="cpu", ranks=[0]).ranks[0]
+    dim, vocab, layers, q, kv, head_dim = 256, 4096, 4, 4 * 32, 2 * 32, 32
+    tp_split = 2 * vocab * dim + layers * (dim * q + 2 * dim * kv + q * dim)
+    replicated = dim + layers * (2 * dim + 2 * head_dim + 8 * dim)  # norms, q/k norms, router
+    experts = layers * 3 * 8 * 128 * dim
+    local = tp_split // 4 + replicated // 2 + experts // 2
+    assert local == 2_200_832
+    assert (rank.local_params, rank.params) == (local, 4 * local)
+    assert rank.expert_bytes == 4 * experts // 2
+
+
+def test_gathered_experts_equal_fsdp_unshard_under_ep():
+    """The estimator's gathered size of an experts unit equals what FSDP's unshard holds per
+    rank at EP 2 x FSDP 2 (gathered over the 2 ranks outside EP, not all 4 shard ranks)."""
+    cfg = _moe_cfg("--parallelism.expert_parallel_degree 2")
+    spec = get_model_spec("qwen3_moe")
+    with fake_world(4):
+        dims = ParallelDims.from_config(
+            world_size=4, dp_replicate=1, dp_shard=-1, tp=1, pp=1, zero_stage=3, ep=2
+        )
+        dims.build_mesh("cpu")
+        with torch.device("meta"):
+            model = spec.model_cls(_args(cfg))
+        model = spec.parallelize_fn(model, dims, cfg, "cpu")
+        model.to_empty(device="cpu")
+        experts = model.layers["0"].moe.experts
+        assert all(on_ep_mesh(p) for p in experts.parameters())
+        estimated = gathered_elements(experts)
+        experts.unshard()
+        real = sum(p.to_local().numel() for p in experts.parameters())
+        experts.reshard()
+    assert real == estimated == 3 * 4 * 128 * 256  # 4 of the 8 experts
+
+
+def test_all_to_all_volume_by_hand():
+    """235B-A22B shapes, 4096 tokens per micro-batch on EP 8: per MoE layer 4 all-to-alls
+    (dispatch + combine, forward + backward) of 4096 x 8 rows x 4096 x 2 B = 256 MiB, 7/8 of
+    them leave the rank: 4 x 94 x 256 MiB x 7/8 = 88,315,265,024 B; full AC adds a third pass
+    (6 instead of 4)."""
+    assert all_to_all_bytes(4096, 8, 4096, 8, 94, 2, recompute=False) == 88_315_265_024
+    assert all_to_all_bytes(4096, 8, 4096, 8, 94, 2, recompute=True) == 132_472_897_536
+    assert all_to_all_bytes(4096, 8, 4096, 1, 94, 2, recompute=False) == 0
+    args = build_model_args("qwen3_moe", "235B-A22B", 4096)
+    experts = Experts(128, 8, 94, 227_096_395_776)
+    cluster = Cluster()
+    for tp, link, bandwidth in ((1, "NVLink", 900e9 / 2), (2, "network", 400e9 / 8)):
+        comms = comm_per_step(
+            args,
+            235_093_634_560,
+            Layout(tp=tp, pp=1, dp=64 // tp, ep=8),
+            cluster,
+            seq_len=4096,
+            local_batch=1,
+            accum=2,
+            experts=experts,
+        )
+        (a2a,) = [c for c in comms if c.dim == "ep"]
+        # TP ranks route the whole sequence: the same bytes; 8 x TP 2 = 16 ranks span 2 nodes
+        assert (a2a.bytes, a2a.link, a2a.exposed) == (2 * 88_315_265_024, link, True)
+        assert a2a.seconds == pytest.approx(a2a.bytes / (bandwidth * 0.8))
+
+
+def test_count_experts_from_the_ep_sharded_parameters():
+    cfg = _moe_cfg("--model.flavor 235B-A22B")
+    args = model_args_for(cfg.model, cfg.training.seq_len)
+    experts = count_experts(get_model_spec("qwen3_moe"), args, cfg)
+    assert experts == Experts(128, 8, 94, 94 * 128 * 3 * 4096 * 1536)
+    assert count_experts(get_model_spec("llama3"), _args(_cfg()), _cfg()) is None
+
+
+def test_advise_proposes_ep_inside_a_node_for_235b_on_8x8_gpus():
+    """Qwen3-MoE 235B-A22B on 8 nodes x 8 GPUs of 141 GiB: an EP degree > 1 dividing the 128
+    experts and the FSDP degree, its EP x TP group inside a node, fitting memory in the
+    search and in the check with the real parallelize functions."""
+    cli = _script()
+    out = io.StringIO()
+    args = ["--advise", "--config", "debug_model", *QWEN3_MOE.split(), "--model.flavor"]
+    args += ["235B-A22B", "--training.seq_len", "4096", "--nodes", "8", "--device-memory-gib"]
+    with contextlib.redirect_stdout(out):
+        assert cli.main([*args, "141"]) == 0
+    text = out.getvalue()
+    found = re.search(r"Proposed: TP (\d+) x PP (\d+) x FSDP (\d+) \(EP (\d+) of them\)", text)
+    assert found, text
+    tp, pp, dp, ep = map(int, found.groups())
+    assert ep > 1 and 128 % ep == 0 and dp % ep == 0 and ep * tp <= 8
+    assert f"- EP {ep}: each rank holds {128 // ep} of the 128 experts" in text
+    assert "run over NVLink" in text and "ep (" in text
+    checked = text.split("Checked with the real parallelize functions")[1]
+    assert f"tp={tp} ep={ep}" in checked and " fits" in checked
+    assert "DOES NOT FIT" not in checked
+
+
+def test_advise_search_for_235b_keeps_ep_groups_in_a_node_and_fits():
+    cfg = _moe_cfg("--model.flavor 235B-A22B --training.seq_len 4096")
+    args = model_args_for(cfg.model, cfg.training.seq_len)
+    spec = get_model_spec("qwen3_moe")
+    experts = count_experts(spec, args, cfg)
+    work = Workload(args, 235_093_634_560, 1.6e11, 4096, 1024, spec.block_activation_bytes, 4)
+    cluster = Cluster(nodes=8, memory_gib=141)
+    advice = advise(dataclasses.replace(work, experts=experts), cluster)
+    best = advice.best
+    assert best is not None and best.layout.ep > 1 and fits(best, cluster)
+    assert best.memory <= 0.9 * 141 * GIB
+    assert all(c.layout.ep * c.layout.tp <= 8 for c in advice.tried)  # nothing crossed nodes
+    assert {c.layout.ep for c in advice.tried} == {1, 2, 4, 8}
+    # without experts the same shapes search TP x PP x FSDP only
+    assert {c.layout.ep for c in advise(work, cluster).tried} == {1}
