@@ -1,4 +1,4 @@
-"""Session-wide test setup: processes the tests start import this tree, and under CI a skipped
+"""Test-run-wide setup: processes the tests start import this tree, and under CI a skipped
 test fails the run.
 
 The packages are installed in editable mode, pointing at whichever checkout installed them;
@@ -30,7 +30,7 @@ os.environ["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
 
 pytest_plugins = [
     "pytester"
-]  # tests/integration/test_slurm.py runs inner pytest sessions to prove this
+]  # tests/integration/test_slurm.py runs inner pytest runs to prove this
 
 # Skips that are fine under CI: a test id ("tests/unit/test_x.py::test_y", which also covers its
 # parametrizations) or a whole file ("tests/unit/test_x.py"), mapped to why CI cannot run it.

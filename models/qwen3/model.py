@@ -121,11 +121,13 @@ class Block(nn.Module):
 
 
 class Qwen3(nn.Module):
+    block_cls = Block  # a variant family (Qwen3-MoE) swaps the block
+
     def __init__(self, args: Qwen3Args):
         super().__init__()
         self.args = args
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): self.block_cls(args) for i in range(args.n_layers)})
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("rope", rope_table(args), persistent=False)

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.qwen3.model import Attention, rope_table
+from models.qwen3.model import Attention, Qwen3
 
 
 @dataclass
@@ -249,44 +249,25 @@ class Block(nn.Module):
         return h + self.moe(self.ffn_norm(h))
 
 
-class Qwen3MoE(nn.Module):
-    def __init__(self, args: Qwen3MoEArgs):
-        super().__init__()
-        self.args = args
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
-        self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.register_buffer("rope", rope_table(args), persistent=False)
-        self.tie_weights()
+class Qwen3MoE(Qwen3):
+    """Qwen3 with an MoE block: embeddings, norms, output, RoPE and tying as Qwen3's."""
 
-    def tie_weights(self) -> None:
-        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
-            self.output.weight = self.tok_embeddings.weight
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        for layer in self.layers.values():
-            h = layer(h, self.rope)
-        h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+    block_cls = Block
 
     def moe_layers(self) -> dict[str, MoE]:
         return {key: block.moe for key, block in self.layers.items()}
 
     def init_buffers(self, device: torch.device | str) -> None:
-        self.rope = rope_table(self.args, torch.device(device))
+        super().init_buffers(device)
         for moe in self.moe_layers().values():
             moe.expert_bias.zero_()
             moe.tokens_per_expert.zero_()
             moe.aux_loss_sum.zero_()
 
     def init_param(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
-        """Unit norm weights; every matrix, router and experts included, a normal of std 0.02
-        cut at 3 std (Hugging Face's initialisation)."""
-        if name.endswith("norm.weight"):
-            tensor.fill_(1.0)
-        elif name.endswith((".weight", ".w1", ".w2", ".w3")):
+        """Qwen3's rules (unit norms, std-0.02 matrices, router included); the experts' [E, out,
+        in] tensors like every matrix (Hugging Face's initialisation)."""
+        if name.endswith((".w1", ".w2", ".w3")):
             nn.init.trunc_normal_(tensor, std=0.02, a=-0.06, b=0.06, generator=generator)
         else:
-            raise ValueError(f"init_param: no initialisation rule for parameter '{name}'")
+            super().init_param(name, tensor, generator)

@@ -15,16 +15,16 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
-from models.qwen3.parallelize import qwen3_tp_plan
+from models.qwen3.parallelize import qwen3_tp_plan, validate_qwen3
 from models.qwen3_moe.routing import moe_layers
 from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.compile import apply_compile
 from parallelisms.data_parallel import apply_data_parallel
 from parallelisms.expert_parallel import apply_ep, replicate_experts
 from parallelisms.fsdp import FsdpUnit, embed_blocks_head_units, fsdp_mesh
-from parallelisms.parallel_dims import ParallelDims, ParallelismError, tied_weight_problems
+from parallelisms.parallel_dims import ParallelDims
 from parallelisms.pipeline import build_pipeline, stage_module_names
-from parallelisms.tensor_parallel import ReplicateParallel, TPPlan, apply_tp, check_tp
+from parallelisms.tensor_parallel import ReplicateParallel, TPPlan, apply_tp
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
@@ -149,20 +149,15 @@ def _uncounted_metadata_forward(stage) -> None:
 
 
 def validate_qwen3_moe(cfg, args) -> list[str]:
-    """What a Qwen3-MoE run cannot do, found from the config before any process group starts."""
-    p = cfg.parallelism
-    problems = []
-    try:
-        check_tp(args.n_heads, args.n_kv_heads, cfg.training.seq_len, p.tensor_parallel_degree)
-    except ParallelismError as e:
-        problems.append(str(e))
-    if args.n_experts % p.expert_parallel_degree:
+    """What a Qwen3-MoE run cannot do, found from the config before any process group starts:
+    Qwen3's checks (TP over the heads, tied weights), and EP over the experts."""
+    problems = validate_qwen3(cfg, args)
+    ep = cfg.parallelism.expert_parallel_degree
+    if args.n_experts % ep:
         problems.append(
-            f"parallelism.expert_parallel_degree = {p.expert_parallel_degree} must divide the "
-            f"{args.n_experts} experts of model.flavor = '{cfg.model.flavor}'."
+            f"parallelism.expert_parallel_degree = {ep} must divide the {args.n_experts} "
+            f"experts of model.flavor = '{cfg.model.flavor}'."
         )
-    if args.tie_embeddings:
-        problems += tied_weight_problems(p, cfg.model.flavor)
     return problems
 
 

@@ -114,7 +114,7 @@ def runs(request, tmp_path_factory):
     base = tmp_path_factory.mktemp("parity")
     want = {"reference"} | selected_runs(request, LAYOUTS, NEEDS, REFERENCE, AFTER, RESUME_FROM)
     # A private inductor cache: torch 2.13 has handed a stale compiled TP graph from another
-    # run's cache entries back (wrong losses), so only this session's compiles are reused.
+    # run's cache entries back (wrong losses), so only this test run's compiles are reused.
     env = {"TORCHINDUCTOR_CACHE_DIR": str(base / "inductor_cache")}
     common = ["--training.steps", str(STEPS), *CHECKPOINT_ARGS]
     todo = [Run("reference", base / "reference", 1, common)]

@@ -298,7 +298,7 @@ def test_time_limit_warning_checkpoints_requeues_and_resumes(cluster, jobs):
 
 # ------------------------------------------------------------------ skips under CI (conftest)
 # The skips above must not turn a CI run green: tests/conftest.py makes every skip a failure
-# when CI is set. These inner pytest sessions (pytester) prove it with the real conftest.
+# when CI is set. These inner pytest runs (pytester) prove it with the real conftest.
 
 INNER = """
 import pytest
