@@ -118,8 +118,8 @@ MUTANTS = [
         "hsdp_replicas_not_averaged",
         "HSDP: gradients not averaged across the replicate groups (FSDP over dp_shard only)",
         "parallelisms/fsdp.py",
-        'dp_names = tuple(n for n in ("dp_replicate", "dp_shard") if n in names)',
-        'dp_names = tuple(n for n in ("dp_shard",) if n in names)',
+        "    if parallel_dims.dp_replicate > 1:\n        return parallel_dims.mesh[",
+        "    if False:\n        return parallel_dims.mesh[",
         (f"{PARITY}[hsdp_2x2]",),
     ),
     Mutant(
