@@ -605,6 +605,12 @@ def validate(cfg: JobConfig) -> None:
             problems.add(
                 f"compile.components contains '{comp}': allowed entries are 'model' and 'loss'."
             )
+    for key in ("moe_aux_loss_coeff", "moe_bias_update_rate", "moe_z_loss_coeff"):
+        value = getattr(cfg.model, key)
+        if -1 < value < 0:
+            problems.add(
+                f"model.{key} = {value}: use -1 (the flavor's value), 0 (off) or a positive weight."
+            )
     if cfg.parallelism.context_parallel_degree != 1:
         problems.add(
             f"parallelism.context_parallel_degree = {cfg.parallelism.context_parallel_degree}: "

@@ -107,6 +107,8 @@ def _aligned(t: torch.Tensor) -> bool:
 
 def _grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """x [N, K] (rows sorted by expert, counts[e] rows for expert e) @ w[e] [K, M] -> [N, M]."""
+    if torch.is_autocast_enabled(x.device.type):  # autocast does not cover the grouped matmul
+        x = x.to(torch.get_autocast_dtype(x.device.type))
     w = w.to(x.dtype)
     grouped = getattr(torch, "_grouped_mm", None)
     usable = x.device.type == "cpu" or x.dtype == torch.bfloat16
@@ -259,10 +261,10 @@ class Qwen3MoE(Qwen3):
 
     def init_buffers(self, device: torch.device | str) -> None:
         super().init_buffers(device)
-        for moe in self.moe_layers().values():
-            moe.expert_bias.zero_()
-            moe.tokens_per_expert.zero_()
-            moe.aux_loss_sum.zero_()
+        for moe in self.moe_layers().values():  # on `device`: CPU offload leaves buffers on host
+            moe.expert_bias = torch.zeros(moe.n_experts, device=device)
+            moe.tokens_per_expert = torch.zeros(moe.n_experts, device=device)
+            moe.aux_loss_sum = torch.zeros((), device=device)
 
     def init_param(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         """Qwen3's rules (unit norms, std-0.02 matrices, router included); the experts' [E, out,

@@ -8,6 +8,7 @@ Order: expert parallel -> tensor parallel -> activation checkpointing -> compile
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,7 @@ from parallelisms.pipeline import build_pipeline, stage_module_names
 from parallelisms.tensor_parallel import ReplicateParallel, TPPlan, apply_tp
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
+logger = logging.getLogger("meshtrain")
 
 
 def qwen3_moe_tp_plan(loss_parallel: bool) -> TPPlan:
@@ -133,6 +135,11 @@ def _uncounted_metadata_forward(stage) -> None:
     that method (its name differs across torch versions) so the stage's MoE layers skip it."""
     name = next((n for n in _METADATA_FORWARDS if hasattr(stage, n)), None)
     if name is None:
+        logger.warning(
+            "MoE + pipeline: this torch's stages have none of %s; if they run a shape-inference "
+            "forward, its routing counts toward the first step's balancing statistics",
+            ", ".join(_METADATA_FORWARDS),
+        )
         return
     infer, layers = getattr(stage, name), moe_layers([stage.submod]).values()
 
