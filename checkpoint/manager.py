@@ -89,7 +89,9 @@ def layout_info(parallel_dims) -> dict:
     """The parallel degrees a checkpoint was saved with (for checkpoint_info and logs)."""
     if parallel_dims is None:
         return {"world_size": 1, "parallelism": {}}
-    degrees = {k: getattr(parallel_dims, k) for k in ("pp", "dp_replicate", "dp_shard", "tp")}
+    degrees = {
+        k: getattr(parallel_dims, k) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
+    }
     degrees["zero_stage"] = parallel_dims.zero_stage
     return {"world_size": parallel_dims.world_size, "parallelism": degrees}
 

@@ -533,6 +533,7 @@ def check_layout_options(cfg: JobConfig, dp_shard: int, dp: int, problems: Probl
     degrees = (
         "data_parallel_shard",
         "data_parallel_replicate",
+        "context_parallel",
         "tensor_parallel",
         "pipeline_parallel",
     )
@@ -611,10 +612,12 @@ def validate(cfg: JobConfig) -> None:
             problems.add(
                 f"model.{key} = {value}: use -1 (the flavor's value), 0 (off) or a positive weight."
             )
-    if cfg.parallelism.context_parallel_degree != 1:
+    cp = cfg.parallelism.context_parallel_degree
+    if cp > 1 and cfg.training.seq_len % (2 * cp):
         problems.add(
-            f"parallelism.context_parallel_degree = {cfg.parallelism.context_parallel_degree}: "
-            "context parallelism is reserved and not supported yet; set it to 1."
+            f"training.seq_len = {cfg.training.seq_len} must be a multiple of 2 x "
+            f"parallelism.context_parallel_degree = {2 * cp}: each CP rank holds two of 2 x "
+            "context_parallel_degree equal chunks of every sequence."
         )
     prof = cfg.profiling
     if prof.enable_profiling and prof.profiler_warmup + prof.profiler_active > prof.profile_freq:

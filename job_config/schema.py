@@ -122,6 +122,9 @@ class Training:
         ge=-1,
     )
     seq_len: int = opt(2048, "Tokens per sequence", ge=2)
+    document_mask: bool = opt(
+        False, "Packed documents do not attend to each other (boundaries: end-of-document tokens)"
+    )
     steps: int = opt(10000, "Optimizer steps to train", ge=1)
     max_norm: float = opt(1.0, "Clip gradients to this global L2 norm (0 = no clipping)", ge=0)
     mixed_precision_param: Literal["auto", "bfloat16", "float32"] = opt(
@@ -141,7 +144,9 @@ class Parallelism:
         -1, "FSDP shard group size (-1 = whatever is left)", ge=-1
     )
     tensor_parallel_degree: int = opt(1, "Tensor-parallel degree", ge=1)
-    context_parallel_degree: int = opt(1, "Context-parallel degree (reserved: must be 1)", ge=1)
+    context_parallel_degree: int = opt(
+        1, "Context-parallel degree: every sequence split over this many ranks (ZeRO-3)", ge=1
+    )
     expert_parallel_degree: int = opt(
         1, "Expert-parallel degree: MoE experts split over this many FSDP shard ranks", ge=1
     )

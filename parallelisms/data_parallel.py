@@ -45,7 +45,7 @@ def apply_data_parallel(
     t, p = job_config.training, job_config.parallelism
     param_dtype, reduce_dtype = mixed_precision_dtypes(t, device_type)
     stage = parallel_dims.zero_stage
-    if parallel_dims.dp_shard == 1:  # only replicas (dp_replicate > 1): nothing to shard
+    if parallel_dims.dp_shard * parallel_dims.cp == 1:  # only replicas: nothing to shard
         stage = 0
     if stage == 3:
         return apply_fsdp(

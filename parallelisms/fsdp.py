@@ -18,11 +18,12 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from parallelisms.parallel_dims import ParallelDims
 
 
-def fsdp_mesh(parallel_dims: ParallelDims, shard_dim: str = "dp_shard") -> DeviceMesh:
+def fsdp_mesh(parallel_dims: ParallelDims, shard_dim: str = "dp_shard_cp") -> DeviceMesh:
     """The mesh FSDP shards over: 2-D ("dp_replicate", `shard_dim`) for HSDP, else 1-D.
-    `shard_dim` "dp_shard_mod_ep": the experts' mesh under expert parallelism."""
+    "dp_shard_cp" is "dp_shard" without context parallelism; `shard_dim` "dp_shard_mod_ep":
+    the experts' mesh under expert parallelism."""
     if parallel_dims.dp_replicate > 1:
-        return parallel_dims.mesh[("dp_replicate", shard_dim)]
+        return parallel_dims.mesh[("dp_replicate", parallel_dims.dim_name(shard_dim))]
     return parallel_dims.dim(shard_dim)
 
 

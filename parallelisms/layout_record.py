@@ -21,6 +21,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from parallelisms.context_parallel import ContextParallelAttention
 from parallelisms.init_weights import canonical_name
 from parallelisms.memory_report import param_bytes
 from parallelisms.parallel_dims import ParallelDims
@@ -97,8 +98,14 @@ def _rank_view(model_parts: list[nn.Module], parallel_dims: ParallelDims) -> dic
         "ac_blocks": sorted(k for k, b in blocks.items() if isinstance(b, CheckpointWrapper)),
         "ac_selective_op_blocks": sorted(ac_op),
         "compiled_blocks": sorted(k for k, b in blocks.items() if _compiled(b)),
+        "context_parallel_blocks": sorted(k for k, b in blocks.items() if _context_parallel(b)),
         "data_parallel": _data_parallel(model_parts),
     }
+
+
+def _context_parallel(block: nn.Module) -> bool:
+    """The block's attention gathers the sequence over "cp"."""
+    return any(isinstance(m, ContextParallelAttention) for m in block.modules())
 
 
 def built_layout(model_parts: list[nn.Module], parallel_dims: ParallelDims, schedule) -> dict:
@@ -138,5 +145,6 @@ def summarize(layout: dict) -> str:
         else "no pipeline",
         f"AC blocks on rank 0: {len(r0['ac_blocks'])}",
         f"compiled blocks on rank 0: {len(r0['compiled_blocks'])}",
+        f"context-parallel blocks on rank 0: {len(r0['context_parallel_blocks'])}",
     ]
     return "built layout: " + ", ".join(parts)

@@ -1,9 +1,16 @@
 """Parallel degrees, their validation, and the one DeviceMesh every parallelism works on.
 
-Mesh dimensions, outermost first: "pp", "dp_replicate", "dp_shard", "tp" (size-1 dimensions
-are left out). Flattened views the rest of the system uses:
-  "dp"           = dp_replicate x dp_shard: data loading ranks and loss averaging
+Mesh dimensions, outermost first: "pp", "dp_replicate", "dp_shard", "cp", "tp" (size-1
+dimensions are left out). Flattened views the rest of the system uses:
+  "dp"           = dp_replicate x dp_shard: data loading ranks (each reads other sequences)
+  "dp_shard_cp"  = dp_shard x cp: where FSDP shards the weights (CP ranks hold the same weights
+                   and other tokens of the same sequences, so their gradients are averaged too)
+  "dp_cp"        = dp_replicate x dp_shard x cp: every rank holding other tokens
   "dp_shard_tp"  = dp_shard x tp: where parameters are sharded (FSDP over TP-sharded params)
+
+Context parallelism (cp > 1) splits every sequence over the "cp" ranks of one data-parallel
+replica (see parallelisms/context_parallel.py). It sits inside the data dimensions and outside
+"tp": TP's per-layer collectives are the more frequent, so TP keeps the nearest ranks.
 
 Expert parallelism (ep > 1) draws its ranks from the data-parallel shard ranks: "dp_shard" is
 built as ("dp_shard_mod_ep", "ep") and flattened back to "dp_shard", so every dense
@@ -33,6 +40,8 @@ logger = logging.getLogger("meshtrain")
 _FLATTENED = {
     "dp_shard": ("dp_shard_mod_ep", "ep"),
     "dp": ("dp_replicate", "dp_shard_mod_ep", "ep", "dp_shard"),
+    "dp_shard_cp": ("dp_shard_mod_ep", "ep", "dp_shard", "cp"),
+    "dp_cp": ("dp_replicate", "dp_shard_mod_ep", "ep", "dp_shard", "cp"),
     "dp_shard_tp": ("dp_shard_mod_ep", "ep", "dp_shard", "tp"),
 }
 
@@ -50,6 +59,7 @@ class ParallelDims:
     world_size: int
     zero_stage: int = 3
     ep: int = 1
+    cp: int = 1
     mesh: DeviceMesh | None = field(default=None, repr=False)
 
     @classmethod
@@ -63,17 +73,18 @@ class ParallelDims:
         pp: int,
         zero_stage: int = 3,
         ep: int = 1,
+        cp: int = 1,
     ) -> ParallelDims:
         """Resolves dp_shard = -1 and checks that the degrees multiply to the world size;
         raises every problem found at once."""
         problems = Problems(ParallelismError)
-        fixed = dp_replicate * tp * pp
+        fixed = dp_replicate * cp * tp * pp
         if dp_shard == -1:
             if world_size % fixed:
                 problems.add(
                     f"World size {world_size} is not divisible by pipeline_parallel_degree "
                     f"({pp}) x data_parallel_replicate_degree ({dp_replicate}) x "
-                    f"tensor_parallel_degree ({tp}) = {fixed}, so "
+                    f"context_parallel_degree ({cp}) x tensor_parallel_degree ({tp}) = {fixed}, so "
                     "data_parallel_shard_degree = -1 cannot fill the rest. Change the degrees "
                     "or the number of ranks."
                 )
@@ -84,7 +95,8 @@ class ParallelDims:
             problems.add(
                 f"Parallel degrees multiply to {product}, not the world size {world_size}: "
                 f"pipeline ({pp}) x data_parallel_replicate ({dp_replicate}) x "
-                f"data_parallel_shard ({dp_shard}) x tensor ({tp}) = {product}. Make the "
+                f"data_parallel_shard ({dp_shard}) x context ({cp}) x tensor ({tp}) = {product}. "
+                "Make the "
                 f"product {world_size}, or set data_parallel_shard_degree = -1."
             )
         if zero_stage < 3 and dp_replicate > 1:
@@ -111,8 +123,20 @@ class ParallelDims:
                 "expert parallelism shards the experts with FSDP2 over the ranks outside EP. "
                 "Use zero_stage = 3."
             )
+        if cp > 1 and zero_stage != 3:
+            problems.add(
+                f"parallelism.context_parallel_degree = {cp} with zero_stage = {zero_stage}: "
+                "the CP ranks' gradients are averaged by FSDP2, which shards the weights over "
+                "the data-parallel and CP ranks together. Use zero_stage = 3."
+            )
+        if cp > 1 and ep > 1:
+            problems.add(
+                f"parallelism.context_parallel_degree = {cp} with expert_parallel_degree = "
+                f"{ep}: context parallelism does not combine with expert parallelism yet. Use "
+                "one of the two (CP works with MoE models at expert_parallel_degree = 1)."
+            )
         problems.raise_any()
-        return cls(dp_replicate, dp_shard, tp, pp, world_size, zero_stage, ep)
+        return cls(dp_replicate, dp_shard, tp, pp, world_size, zero_stage, ep, cp)
 
     @classmethod
     def from_parallelism(cls, parallelism, world_size: int) -> ParallelDims:
@@ -126,6 +150,7 @@ class ParallelDims:
             pp=p.pipeline_parallel_degree,
             zero_stage=p.zero_stage,
             ep=p.expert_parallel_degree,
+            cp=p.context_parallel_degree,
         )
 
     @property
@@ -133,8 +158,10 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
-    def dp_enabled(self) -> bool:
-        return self.dp > 1
+    def data_parallel_enabled(self) -> bool:
+        """Whether the weights have copies on ranks that see other tokens (data-parallel or
+        CP ranks), so `apply_data_parallel` shards them and averages their gradients."""
+        return self.dp * self.cp > 1
 
     @property
     def tp_enabled(self) -> bool:
@@ -148,12 +175,22 @@ class ParallelDims:
     def ep_enabled(self) -> bool:
         return self.ep > 1
 
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """One `init_device_mesh` call for all named dimensions, plus the flattened views."""
         shard = [("dp_shard", self.dp_shard)]
         if self.ep_enabled:
             shard = [("dp_shard_mod_ep", self.dp_shard // self.ep), ("ep", self.ep)]
-        dims = [("pp", self.pp), ("dp_replicate", self.dp_replicate), *shard, ("tp", self.tp)]
+        dims = [
+            ("pp", self.pp),
+            ("dp_replicate", self.dp_replicate),
+            *shard,
+            ("cp", self.cp),
+            ("tp", self.tp),
+        ]
         keep = {"dp_shard_mod_ep"} if self.ep_enabled else set()
         names = tuple(n for n, d in dims if d > 1 or n in keep) or ("dp_shard",)
         shape = tuple(d for n, d in dims if d > 1 or n in keep) or (1,)
@@ -165,18 +202,22 @@ class ParallelDims:
         self.mesh = mesh
         return mesh
 
-    def dim(self, name: str) -> DeviceMesh | None:
-        """The sub-mesh of a (possibly flattened) dimension, or None when it has size 1."""
+    def dim_name(self, name: str) -> str | None:
+        """The name a (possibly flattened) dimension has in the mesh: itself, or its one
+        present part (e.g. "dp_shard_cp" is "dp_shard" without CP); None when it has size 1."""
         assert self.mesh is not None, "call build_mesh() first"
         present = self.mesh.mesh_dim_names or ()
         if name in present:
-            return self.mesh[name]
+            return name
         parts = [p for p in _FLATTENED.get(name, ()) if p in present]
         if len(parts) == 1:
-            return self.mesh[parts[0]]
-        if len(parts) > 1:
-            return self.mesh[name]
-        return None
+            return parts[0]
+        return name if parts else None
+
+    def dim(self, name: str) -> DeviceMesh | None:
+        """The sub-mesh of a (possibly flattened) dimension, or None when it has size 1."""
+        resolved = self.dim_name(name)
+        return None if resolved is None else self.mesh[resolved]
 
     def coordinate(self, name: str) -> tuple[int, int]:
         """(rank, size) of this process along a dimension; (0, 1) when the dimension is absent."""
@@ -186,7 +227,9 @@ class ParallelDims:
         return sub.get_local_rank(), sub.size()
 
     def describe(self) -> str:
-        parts = [f"{n}={getattr(self, n)}" for n in ("pp", "dp_replicate", "dp_shard", "tp", "ep")]
+        parts = [
+            f"{n}={getattr(self, n)}" for n in ("pp", "dp_replicate", "dp_shard", "tp", "ep", "cp")
+        ]
         return f"world={self.world_size} " + " ".join(parts) + f" zero_stage={self.zero_stage}"
 
 

@@ -374,17 +374,21 @@ def forward_only(
     *args,
     target=None,
     losses: list | None = None,
+    **kwargs,
 ):
     """Forward pass of every microbatch through all stages, no pipelining; same call as a
-    schedule's `eval`. Every rank walks (microbatch, stage) in the same order and only blocking
-    sends/receives between owners of adjacent stages happen, so it cannot deadlock."""
+    schedule's `eval` (keyword arguments go to every stage, split into microbatches). Every
+    rank walks (microbatch, stage) in the same order and only blocking sends/receives between
+    owners of adjacent stages happen, so it cannot deadlock."""
     by_id = {s.stage_index: s for s in stages}
     group, me = stages[0].group, stages[0].group_rank
     num_stages, device = stages[0].num_stages, stages[0].device
     inputs = args[0].tensor_split(n_microbatches) if args else None
     targets = target.tensor_split(n_microbatches) if target is not None else None
+    kwarg_mbs = {k: v.tensor_split(n_microbatches) for k, v in kwargs.items()}
     mb_losses = []
     for mb in range(n_microbatches):
+        mb_kwargs = {k: v[mb] for k, v in kwarg_mbs.items()}
         x = None
         for sid in range(num_stages):
             if owner[sid] != me:
@@ -393,7 +397,7 @@ def forward_only(
                 x = inputs[mb]
             elif owner[sid - 1] != me:
                 x = _recv(group, owner[sid - 1], device)
-            x = by_id[sid].submod(x)
+            x = by_id[sid].submod(x, **mb_kwargs)
             if sid == num_stages - 1:  # logits may be a vocab-sharded DTensor (loss parallel)
                 mb_losses.append(loss_fn(x, targets[mb]))
                 continue

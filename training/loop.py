@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from job_config import JobConfig
 from metrics import MetricsLogger, peak_memory_gib, reset_peak_memory, throughput
+from parallelisms.context_parallel import sequence_inputs
 from parallelisms.memory_report import memory_report
 from parallelisms.parallel_dims import ParallelDims
 from training.profiling import MemorySnapshot, PhaseTimer, Profiler
@@ -147,18 +148,20 @@ def maybe_inject_failure(cfg: JobConfig, step: int, rank: int, world_size: int) 
         )
 
 
-def next_microbatches(run: Run) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's (inputs, labels) for every micro-step of the optimizer step, on the device."""
+def next_microbatches(run: Run) -> list[tuple[torch.Tensor, torch.Tensor, dict]]:
+    """This rank's (inputs, labels, model keyword arguments) for every micro-step of the
+    optimizer step, on the device: its CP shard of the sequences, and the attention
+    coordinates (see parallelisms.context_parallel.sequence_inputs)."""
     micro = []
     for _ in range(run.accum_steps):
         inputs, labels = next(run.data_iter)
-        micro.append(
-            (inputs.to(run.device, non_blocking=True), labels.to(run.device, non_blocking=True))
-        )
+        inputs = inputs.to(run.device, non_blocking=True)
+        labels = labels.to(run.device, non_blocking=True)
+        micro.append(sequence_inputs(run.setup.split, inputs, labels))
     return micro
 
 
-def forward_backward(run: Run, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+def forward_backward(run: Run, micro: list[tuple]) -> torch.Tensor:
     """`train_step`, timed; an out-of-memory error first dumps the memory snapshot."""
     run.phases.start()
     try:

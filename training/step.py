@@ -12,6 +12,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from parallelisms.context_parallel import SequenceSplit
+
 
 @dataclass
 class StepSetup:
@@ -34,6 +36,8 @@ class StepSetup:
     autocast: Callable[[], contextlib.AbstractContextManager] = field(
         default=contextlib.nullcontext
     )
+    # how a loaded batch becomes this rank's model inputs (CP shard, attention coordinates)
+    split: SequenceSplit = field(default_factory=SequenceSplit)
 
 
 def _set_grad_sync(model_parts: list[nn.Module], enabled: bool) -> None:
@@ -61,23 +65,30 @@ def pipeline_call(setup: StepSetup, inputs: torch.Tensor, labels: torch.Tensor):
     )
 
 
-def train_step(setup: StepSetup, microbatches: list[tuple[torch.Tensor, torch.Tensor]]):
-    """Forward and backward over every micro-step; returns this rank's mean loss (a tensor,
-    zero on pipeline stages that do not compute the loss). No host sync happens here."""
+def train_step(setup: StepSetup, microbatches: list[tuple]):
+    """Forward and backward over every micro-step, each (inputs, labels) or (inputs, labels,
+    model keyword arguments) as `sequence_inputs` gives them; returns this rank's mean loss (a
+    tensor, zero on pipeline stages that do not compute the loss). No host sync happens here."""
     total = torch.zeros((), device=microbatches[0][0].device)
-    for i, (inputs, labels) in enumerate(microbatches):
+    for i, (inputs, labels, *more) in enumerate(microbatches):
+        kwargs = more[0] if more else {}
         _set_grad_sync(setup.model_parts, i == len(microbatches) - 1)
         with setup.loss_context():
             if setup.pp_schedule is None:
                 with setup.autocast():
-                    loss = setup.loss_fn(setup.model_parts[0](inputs), labels)
+                    loss = setup.loss_fn(setup.model_parts[0](inputs, **kwargs), labels)
                 loss.backward()
                 total += loss.detach()
             else:
                 args, target, losses = pipeline_call(setup, inputs, labels)
                 with setup.autocast():  # the schedule runs the backward passes itself
+                    # every stage gets the keyword arguments, split into microbatches
                     setup.pp_schedule.step(
-                        *args, target=target, losses=losses, **_pp_step_kwargs(setup.pp_schedule)
+                        *args,
+                        target=target,
+                        losses=losses,
+                        **kwargs,
+                        **_pp_step_kwargs(setup.pp_schedule),
                     )
                 if setup.pp_last_stage:
                     total += torch.stack([x.detach() for x in losses]).sum()

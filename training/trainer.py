@@ -21,6 +21,7 @@ from metrics import MetricsLogger, count_params, device_peak_flops, flops_per_to
 from metrics.memory import process_rss_gib
 from models import get_model_spec, model_args_for
 from parallelisms.compile import maybe_compile_loss
+from parallelisms.context_parallel import SequenceSplit, apply_context_parallel
 from parallelisms.init_weights import materialize
 from parallelisms.layout_record import built_layout, summarize, write_layout
 from parallelisms.mixed_precision import mixed_precision_dtypes
@@ -59,15 +60,19 @@ def meta_model(cfg: JobConfig, model_args) -> nn.Module:
 
 
 def build_model_parts(cfg, parallel_dims, model_args, device, loss_fn, model=None):
-    """Model on meta -> (pipeline split) -> parallelize -> materialise -> re-tie -> init.
-    `model`: the whole meta model when the caller built it already (to count its parameters
-    before the split and sharding); it is then split or parallelized in place.
+    """Model on meta -> (CP attention) -> (pipeline split) -> parallelize -> materialise ->
+    re-tie -> init. `model`: the whole meta model when the caller built it already (to count
+    its parameters before the split and sharding); it is then split or parallelized in place.
 
     Returns (model_parts, pp_schedule, has_first_stage, has_last_stage).
     """
     spec = get_model_spec(cfg.model.name)
     if model is None:
         model = meta_model(cfg, model_args)
+    if parallel_dims.cp_enabled:
+        # First: the attention cores gather the sequence over "cp"; the stages, blocks that
+        # AC recomputes and compile traces then contain the gathers.
+        apply_context_parallel(model, parallel_dims.dim("cp"))
     if parallel_dims.pp_enabled:
         model_parts, schedule, first, last = spec.pipeline_fn(
             model, parallel_dims, cfg, device, loss_fn
@@ -96,7 +101,7 @@ def layout_forward_contexts(cfg: JobConfig, parallel_dims: ParallelDims, device_
     the compute dtype where no FSDP/ZeRO casts the weights (one GPU, TP- or PP-only layouts),
     which gives the same bf16 compute over fp32 weights."""
     compute_dtype = mixed_precision_dtypes(cfg.training, device_type)[0]
-    autocast = not parallel_dims.dp_enabled and compute_dtype != torch.float32
+    autocast = not parallel_dims.data_parallel_enabled and compute_dtype != torch.float32
     return forward_contexts(
         parallel_dims.tp_enabled and not cfg.parallelism.disable_loss_parallel,
         compute_dtype if autocast else None,
@@ -123,13 +128,15 @@ class BatchSizes(NamedTuple):
     tokens_per_rank_step: int  # tokens one rank sees per optimizer step
 
 
-def batch_sizes(cfg: JobConfig, dp_degree: int) -> BatchSizes:
+def batch_sizes(cfg: JobConfig, dp_degree: int, cp: int = 1) -> BatchSizes:
+    """`cp`: each context-parallel rank holds 1/cp of every sequence's tokens."""
     t = cfg.training
     global_batch = (
         t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dp_degree
     )
     accum_steps = global_batch // (t.local_batch_size * dp_degree)
-    return BatchSizes(global_batch, accum_steps, t.local_batch_size * t.seq_len * accum_steps)
+    tokens = t.local_batch_size * (t.seq_len // cp) * accum_steps
+    return BatchSizes(global_batch, accum_steps, tokens)
 
 
 def step_loss_fn(cfg: JobConfig, tokens_per_rank_step: int):
@@ -245,11 +252,19 @@ def build_checkpointer(cfg, parallel_dims, model_parts, optimizer, lr_scheduler,
     return checkpointer
 
 
-def build_step_setup(cfg, parallel_dims, device, built, loss_fn, tokens_per_rank_step):
+def sequence_split(cfg: JobConfig, parallel_dims: ParallelDims, tokenizer) -> SequenceSplit:
+    """This rank's CP shard of the sequences, and document masking's end-of-document id."""
+    cp_rank, cp = parallel_dims.coordinate("cp")
+    eos_id = tokenizer.eos_id if cfg.training.document_mask else None
+    return SequenceSplit(cp_rank=cp_rank, cp=cp, eos_id=eos_id)
+
+
+def build_step_setup(cfg, parallel_dims, device, built, loss_fn, tokens_per_rank_step, split):
     """`StepSetup` for the model `build_model_parts` built (`built`)."""
     model_parts, schedule, first, last = built
     loss_context, autocast = layout_forward_contexts(cfg, parallel_dims, device.type)
     return StepSetup(
+        split=split,
         model_parts=model_parts,
         loss_fn=loss_fn,
         tokens_per_rank_step=tokens_per_rank_step,
@@ -292,7 +307,7 @@ def build_run(cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, local_r
     dp_rank, dp_degree = parallel_dims.coordinate("dp")
     tokenizer = load_tokenizer(cfg)
     model_args = model_args_for(cfg.model, t.seq_len, tokenizer.vocab_size)
-    batches = batch_sizes(cfg, dp_degree)
+    batches = batch_sizes(cfg, dp_degree, parallel_dims.cp)
     step_loss = step_loss_fn(cfg, batches.tokens_per_rank_step)
     rss_before_model = process_rss_gib() if device.type == "cpu" else None
     built, n_params, n_no_emb = build_model(cfg, parallel_dims, model_args, device, step_loss, rank)
@@ -307,7 +322,13 @@ def build_run(cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, local_r
         cfg, parallel_dims, model_parts, optimizer, lr_scheduler, train_loader, state
     )
     setup = build_step_setup(
-        cfg, parallel_dims, device, built, step_loss, batches.tokens_per_rank_step
+        cfg,
+        parallel_dims,
+        device,
+        built,
+        step_loss,
+        batches.tokens_per_rank_step,
+        sequence_split(cfg, parallel_dims, tokenizer),
     )
     routing = get_model_spec(cfg.model.name).routing
     if routing is not None:  # the layers' own losses are token sums, scaled as step_loss's

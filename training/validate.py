@@ -5,13 +5,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from parallelisms.context_parallel import sequence_inputs
 from training.loss import cross_entropy_sum
 from training.step import pipeline_call
 
 
 @torch.no_grad()
 def evaluate(setup, loader, steps: int, device: torch.device) -> float:
-    """Mean token loss over `steps` batches (-1 = the whole split) on every DP rank.
+    """Mean token loss over `steps` batches (-1 = the whole split) on every DP rank (each CP
+    rank its shard of them).
 
     Loss and token sums are added over all ranks; TP copies scale both equally, and only
     the stage that computes the loss counts tokens, so the ratio is the global mean."""
@@ -21,13 +23,14 @@ def evaluate(setup, loader, steps: int, device: torch.device) -> float:
     for i, (inputs, labels) in enumerate(loader):
         if steps >= 0 and i >= steps:
             break
-        inputs, labels = inputs.to(device), labels.to(device)
+        inputs, labels, kwargs = sequence_inputs(setup.split, inputs.to(device), labels.to(device))
         with setup.loss_context(), setup.autocast():
             if setup.pp_schedule is None:
-                total[0] += cross_entropy_sum(setup.model_parts[0](inputs), labels).double()
+                logits = setup.model_parts[0](inputs, **kwargs)
+                total[0] += cross_entropy_sum(logits, labels).double()
             else:
                 args, target, losses = pipeline_call(setup, inputs, labels)
-                setup.pp_schedule.eval(*args, target=target, losses=losses)
+                setup.pp_schedule.eval(*args, target=target, losses=losses, **kwargs)
                 if setup.pp_last_stage:
                     # The schedule's loss is scaled by the tokens of one training step.
                     total[0] += torch.stack(losses).sum().double() * setup.tokens_per_rank_step

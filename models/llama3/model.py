@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.attention import ScaledDotProductAttention
+
 
 @dataclass
 class ModelArgs:
@@ -94,12 +96,13 @@ def rope_table(args: ModelArgs, device: torch.device | None = None) -> torch.Ten
 def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Rotates adjacent pairs (x[2i], x[2i+1]) of each head (Meta's interleaved convention).
 
-    x: [batch, seq, heads, head_dim]; table: [>= seq, head_dim // 2, 2].
+    x: [batch, seq, heads, head_dim]; table: [>= seq, head_dim // 2, 2] (positions 0, 1, ...)
+    or [batch, seq, head_dim // 2, 2] (each token's own row).
     """
-    seq = x.shape[1]
+    table = table[: x.shape[1]] if table.dim() == 3 else table
     pairs = x.float().unflatten(-1, (-1, 2))
-    cos = table[:seq, None, :, 0]
-    sin = table[:seq, None, :, 1]
+    cos = table[..., None, :, 0]
+    sin = table[..., None, :, 1]
     a, b = pairs[..., 0], pairs[..., 1]
     out = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1)
     return out.flatten(-2).type_as(x)
@@ -111,24 +114,22 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.head_dim = args.head_dim
-        self.n_rep = args.n_heads // args.kv_heads
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.core = ScaledDotProductAttention()  # causal / masked SDPA over the heads
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         bs, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.wq(x).view(bs, seq, -1, self.head_dim)
         k = self.wk(x).view(bs, seq, -1, self.head_dim)
         v = self.wv(x).view(bs, seq, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        k = k.repeat_interleave(self.n_rep, dim=2)
-        v = v.repeat_interleave(self.n_rep, dim=2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
 
 
@@ -154,8 +155,10 @@ class TransformerBlock(nn.Module):
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -177,12 +180,20 @@ class Transformer(nn.Module):
         if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """tokens [batch, seq] -> logits [batch, seq, vocab] (a pipeline stage may take and
-        return hidden states [batch, seq, dim] instead)."""
+        return hidden states [batch, seq, dim] instead). `positions` [batch, seq]: each token's
+        position in its sequence, for RoPE (default 0..seq-1; a context-parallel rank holds
+        other positions); `attention_mask`: see models/attention.py (default causal)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        rope = self.rope if positions is None else self.rope[positions]
         for layer in self.layers.values():
-            h = layer(h, self.rope)
+            h = layer(h, rope, attention_mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

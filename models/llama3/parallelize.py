@@ -42,9 +42,10 @@ def llama_tp_plan(loss_parallel: bool) -> TPPlan:
         block={
             "attention_norm": SequenceParallel(),
             # every rank needs all positions (the RoPE table and causal mask index the full
-            # sequence); `rope` is a plain replicated buffer
+            # sequence); `rope` and the mask are plain replicated tensors
             "attention": PrepareModuleInput(
-                input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+                input_layouts=(Shard(1), None, None),
+                desired_input_layouts=(Replicate(), None, None),
             ),
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
@@ -85,7 +86,7 @@ def parallelize_llama(
     if comp.enable and "model" in comp.components:
         # Before data parallelism, so FSDP/ZeRO hooks run around the compiled blocks, not in them.
         apply_compile(model)
-    if parallel_dims.dp_enabled:
+    if parallel_dims.data_parallel_enabled:
         # Last: FSDP wraps the final block modules (its units) and shards whatever TP made.
         apply_data_parallel(model, parallel_dims, job_config, device_type, llama_fsdp_units)
     return model

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.attention import ScaledDotProductAttention
+
 
 @dataclass
 class Qwen3Args:
@@ -58,9 +60,10 @@ def rope_table(args: Qwen3Args, device: torch.device | None = None) -> torch.Ten
 
 
 def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Rotates (x[i], x[i + head_dim/2]) pairs: x [batch, seq, heads, head_dim]."""
-    seq = x.shape[1]
-    cos, sin = table[:seq, None, :, 0], table[:seq, None, :, 1]
+    """Rotates (x[i], x[i + head_dim/2]) pairs: x [batch, seq, heads, head_dim]; table as
+    Llama's `apply_rope`: [>= seq, head_dim // 2, 2] or one row per token [batch, seq, ...]."""
+    table = table[: x.shape[1]] if table.dim() == 3 else table
+    cos, sin = table[..., None, :, 0], table[..., None, :, 1]
     a, b = x.float().chunk(2, dim=-1)
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1).type_as(x)
 
@@ -71,26 +74,24 @@ class Attention(nn.Module):
     def __init__(self, args: Qwen3Args):
         super().__init__()
         self.head_dim = args.head_dim
-        self.n_rep = args.n_heads // args.n_kv_heads
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.core = ScaledDotProductAttention()  # causal / masked SDPA over the heads
         self.q_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
         self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         bs, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.q_norm(self.wq(x).view(bs, seq, -1, self.head_dim))
         k = self.k_norm(self.wk(x).view(bs, seq, -1, self.head_dim))
         v = self.wv(x).view(bs, seq, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        k = k.repeat_interleave(self.n_rep, dim=2)
-        v = v.repeat_interleave(self.n_rep, dim=2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
 
 
@@ -115,8 +116,10 @@ class Block(nn.Module):
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -138,12 +141,20 @@ class Qwen3(nn.Module):
         if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """tokens [batch, seq] -> logits [batch, seq, vocab] (a pipeline stage may take and
-        return hidden states [batch, seq, dim] instead)."""
+        return hidden states [batch, seq, dim] instead). `positions` [batch, seq]: each token's
+        position in its sequence, for RoPE (default 0..seq-1; a context-parallel rank holds
+        other positions); `attention_mask`: see models/attention.py (default causal)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        rope = self.rope if positions is None else self.rope[positions]
         for layer in self.layers.values():
-            h = layer(h, self.rope)
+            h = layer(h, rope, attention_mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

@@ -43,7 +43,8 @@ def qwen3_tp_plan(loss_parallel: bool) -> TPPlan:
         block={
             "attention_norm": SequenceParallel(),
             "attention": PrepareModuleInput(
-                input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+                input_layouts=(Shard(1), None, None),
+                desired_input_layouts=(Replicate(), None, None),
             ),
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
@@ -82,7 +83,7 @@ def parallelize_qwen3(
         apply_ac(model, ac.mode, ac.selective_ac_option)
     if comp.enable and "model" in comp.components:
         apply_compile(model)
-    if parallel_dims.dp_enabled:
+    if parallel_dims.data_parallel_enabled:
         apply_data_parallel(model, parallel_dims, job_config, device_type, qwen3_fsdp_units)
     return model
 

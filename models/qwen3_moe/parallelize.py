@@ -79,9 +79,10 @@ def parallelize_qwen3_moe(
 ) -> nn.Module:
     p, ac, comp = job_config.parallelism, job_config.activation_checkpoint, job_config.compile
     layers = moe_layers([model])
-    if parallel_dims.dp_enabled:
-        # The load-balancing statistics are those of the global micro-batch.
-        reduce = _sum_over(parallel_dims.dim("dp").get_group())
+    if parallel_dims.data_parallel_enabled:
+        # The load-balancing statistics are those of the global micro-batch (all its
+        # sequences, all their CP shards).
+        reduce = _sum_over(parallel_dims.dim("dp_cp").get_group())
         for moe in layers.values():
             moe.reduce_stats = reduce
     if parallel_dims.ep_enabled:
@@ -99,7 +100,7 @@ def parallelize_qwen3_moe(
     if comp.enable and "model" in comp.components:
         # attention only: routing has data-dependent shapes (expert counts, EP splits)
         apply_compile(model, "attention")
-    if parallel_dims.dp_enabled:
+    if parallel_dims.data_parallel_enabled:
         units = functools.partial(qwen3_moe_fsdp_units, parallel_dims=parallel_dims)
         apply_data_parallel(model, parallel_dims, job_config, device_type, units)
     return model

@@ -96,7 +96,10 @@ def test_int_is_accepted_for_float():
             ],
             "expected 'op' or a positive",
         ),
-        (["--parallelism.context_parallel_degree", "2"], "context parallelism is reserved"),
+        (
+            ["--parallelism.context_parallel_degree", "3"],
+            "training.seq_len = 2048 must be a multiple of 2 x parallelism.context_parallel_deg",
+        ),
         (["--training.dataset", "c4"], "training.dataset = 'c4' is invalid: expected one of"),
         (["--training.dataset", "jsonl"], "needs training.dataset_path"),
         (["--training.global_batch_size", "0"], "training.global_batch_size = 0: use -1"),
@@ -293,7 +296,7 @@ def test_suffixes_match_the_data_readers():
 
 
 def test_several_errors_are_reported_in_one_numbered_message():
-    argv = ["--training.dataset", "jsonl", "--parallelism.context_parallel_degree", "2",
+    argv = ["--training.dataset", "jsonl", "--parallelism.context_parallel_degree", "3",
             "--compile.components", "loss"]  # fmt: skip
     with pytest.raises(ConfigError) as e:
         parse_args(argv)
@@ -301,7 +304,7 @@ def test_several_errors_are_reported_in_one_numbered_message():
     assert text.startswith("3 config errors:\n")
     assert "\n  1. compile.components set but" in text
     assert "\n  2. training.dataset = 'jsonl' needs training.dataset_path" in text
-    assert "\n  3. parallelism.context_parallel_degree = 2" in text
+    assert "\n  3. training.seq_len = 2048 must be a multiple of 2 x" in text
 
 
 def test_layout_errors_are_reported_together_with_the_config_errors():

@@ -1,0 +1,167 @@
+"""Context parallelism (CP): every sequence is split over the "cp" ranks of one data-parallel
+replica, and attention gathers the keys and values of the whole sequence.
+
+Sharding, load-balanced for causal attention: the sequence is cut into 2 x cp equal chunks and
+CP rank r keeps chunks r and 2cp-1-r (Megatron's and torchtitan's "head-tail" order). Under a
+causal mask the work of a query grows with its position, so a plain split in cp pieces would
+give the last rank cp times the first's attention work; pairing an early chunk with a late one
+gives every rank the same number of (query, visible key) pairs. Each rank gets its tokens'
+global positions for RoPE (`sequence_inputs`).
+
+Attention (`ContextParallelAttention`, swapped in for the shared attention core of
+models/attention.py): K and V are all-gathered over "cp" in every layer, before they are
+repeated to the query heads (under grouped-query attention they are n_heads / n_kv_heads times
+smaller than the queries), and their gradients reduce-scattered back by the all-gather's
+backward (functional collectives, so it also runs inside compiled blocks). The mask between the
+rank's queries and the gathered keys follows the positions (causal) and, with
+`training.document_mask`, the documents; `sequence_inputs` builds it once per micro-batch.
+This is the all-gather K/V design Llama 3 describes; the gathered K/V of one layer live only
+until its backward (or are recomputed with activation checkpointing).
+
+Everything else composes through the mesh: the CP ranks of a replica read the same sequences
+(they share one data-parallel coordinate), the weights are identical on them and FSDP shards
+over "dp_shard_cp", which also averages their gradients; each rank's loss is its tokens' mean
+and the average over "dp_cp" is the global token mean, as all ranks hold as many tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed._functional_collectives import all_gather_tensor_autograd
+from torch.distributed.device_mesh import DeviceMesh
+
+from models.attention import ScaledDotProductAttention, attend
+
+
+def local_positions(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:
+    """The positions CP rank `cp_rank` holds: chunks cp_rank and 2cp-1-cp_rank of 2cp."""
+    chunk = seq_len // (2 * cp)
+    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
+    last = torch.arange((2 * cp - 1 - cp_rank) * chunk, (2 * cp - cp_rank) * chunk)
+    return torch.cat([first, last])
+
+
+def gathered_positions(seq_len: int, cp: int) -> torch.Tensor:
+    """Positions of the keys after the all-gather over "cp": rank 0's tokens, rank 1's, ..."""
+    return torch.cat([local_positions(seq_len, r, cp) for r in range(cp)])
+
+
+def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """[batch, seq] document index of each token of packed sequences: a document ends with its
+    end-of-document token and the next token starts the next one (the data pipeline packs
+    [BOS] text [EOS], or text [EOS] for tokenizers without BOS)."""
+    ends = (tokens == eos_id).to(torch.int32)
+    return torch.cumsum(ends, dim=-1, dtype=torch.int32) - ends
+
+
+def attention_mask(
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor,
+    q_documents: torch.Tensor | None = None,
+    k_documents: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[batch, 1, queries, keys] boolean: key j is visible to query i when it is at an earlier
+    or the same position and, given documents [batch, tokens], in the same document."""
+    visible = k_positions[None, None, :] <= q_positions[None, :, None]
+    if q_documents is not None:
+        visible = visible & (k_documents[:, None, :] == q_documents[:, :, None])
+    return visible.unsqueeze(1)
+
+
+@dataclass(frozen=True)
+class SequenceSplit:
+    """How this rank turns a loaded batch into model inputs: its CP shard of each sequence,
+    and the attention coordinates. `eos_id`: set with document masking."""
+
+    cp_rank: int = 0
+    cp: int = 1
+    eos_id: int | None = None
+
+    @property
+    def plain(self) -> bool:
+        """No CP and no document mask: the model's default causal attention."""
+        return self.cp == 1 and self.eos_id is None
+
+    def check(self, seq_len: int) -> None:
+        if seq_len % (2 * self.cp):
+            raise ValueError(
+                f"training.seq_len = {seq_len} must be a multiple of 2 x "
+                f"context_parallel_degree = {2 * self.cp} (each CP rank holds two chunks)."
+            )
+
+
+def sequence_inputs(
+    split: SequenceSplit, inputs: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """(inputs, labels, model keyword arguments) of this rank for full sequences [batch, seq]:
+    under CP the rank's two chunks, with `positions` (for RoPE) and the `attention_mask`
+    between its queries and the gathered keys; with document masking the document-causal
+    mask. Plain layouts get the batch back unchanged and no keyword arguments."""
+    if split.plain:
+        return inputs, labels, {}
+    batch, seq = inputs.shape
+    split.check(seq)
+    documents = None if split.eos_id is None else document_ids(inputs, split.eos_id)
+    if split.cp == 1:
+        positions = torch.arange(seq, device=inputs.device)
+        mask = attention_mask(positions, positions, documents, documents)
+        return inputs, labels, {"attention_mask": mask.expand(batch, -1, -1, -1)}
+    mine = local_positions(seq, split.cp_rank, split.cp).to(inputs.device)
+    keys = gathered_positions(seq, split.cp).to(inputs.device)
+    mask = attention_mask(
+        mine,
+        keys,
+        None if documents is None else documents[:, mine],
+        None if documents is None else documents[:, keys],
+    )
+    kwargs = {
+        "positions": mine.expand(batch, -1),
+        "attention_mask": mask.expand(batch, -1, -1, -1),
+    }
+    return inputs[:, mine], labels[:, mine], kwargs
+
+
+class ContextParallelAttention(nn.Module):
+    """The attention core under CP: the local queries attend to the keys and values of the
+    whole sequence, all-gathered over "cp" (see the module doc); `mask` is required."""
+
+    def __init__(self, cp_mesh: DeviceMesh):
+        super().__init__()
+        # The group's name (a string) rather than the group: deep copies (pipeline stages
+        # are cut from copies of the model) and compiled graphs take it as it is.
+        self.group_name = cp_mesh.get_group().group_name
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if mask is None:
+            raise RuntimeError(
+                "context-parallel attention needs the attention_mask from "
+                "parallelisms.context_parallel.sequence_inputs"
+            )
+        k = all_gather_tensor_autograd(k.contiguous(), gather_dim=2, group=self.group_name)
+        v = all_gather_tensor_autograd(v.contiguous(), gather_dim=2, group=self.group_name)
+        return attend(q, k, v, mask)
+
+
+def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> int:
+    """Swaps every shared attention core (`models.attention.ScaledDotProductAttention`) of
+    `model` for `ContextParallelAttention`; returns how many. A model without one cannot run
+    CP: its attention would silently see only the rank's tokens."""
+    swapped = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, ScaledDotProductAttention):
+                setattr(module, name, ContextParallelAttention(cp_mesh))
+                swapped += 1
+    if swapped == 0:
+        raise ValueError(
+            f"context parallelism: {type(model).__name__} has no "
+            "models.attention.ScaledDotProductAttention module, so its attention cannot see the "
+            "other CP ranks' tokens. Route the family's attention through it (see "
+            "docs/adding_a_model.md), or set parallelism.context_parallel_degree = 1."
+        )
+    return swapped

@@ -1,0 +1,142 @@
+"""Context parallelism trains exactly like one process: every sequence split over 2 or 4 CP
+ranks (load-balanced chunks, global RoPE positions, K/V all-gathered in every layer), alone and
+with FSDP, TP and PP, with and without document masking, for Llama and Qwen3, and for the MoE
+family once. The harness of `tests/parity.py`: loss and gradient norm at every step, final
+weights, and the layout built (a "cp" mesh dimension, every block's attention swapped for the
+context-parallel one, the weights sharded over the data-parallel and CP ranks together).
+
+Features ride along where they cost no extra launch: gradient accumulation on CP 4, full
+activation checkpointing on CP 2 x FSDP 2 (the recomputed forward gathers K/V again), compile
+on Llama's CP 2 x TP 2. A CP 2 checkpoint resumes bit for bit at CP 2 and reshards to CP 1.
+
+Document masking is proven to be on: its one-process reference trains visibly differently
+from the plain one (documents end inside the 32-token windows of the sample corpus).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from dist_utils import Run, launch_many
+from parity import (
+    CHECKPOINT_ARGS,
+    EXACT,
+    FP32,
+    QWEN3_FP32,
+    STEPS,
+    assert_layout,
+    assert_parity,
+    final_weights,
+    selected_runs,
+    weight_diff,
+)
+
+FAMILIES = {
+    "llama": [],
+    "qwen3": ["--model.name", "qwen3", "--model.flavor", "debugmodel_untied"],
+}
+TOLERANCE = {"llama": FP32, "qwen3": QWEN3_FP32}
+DOC = ["--training.document_mask", "true"]
+LB, GB = "--training.local_batch_size", "--training.global_batch_size"
+TP2 = ["--parallelism.tensor_parallel_degree", "2"]
+PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
+       "1F1B", "--parallelism.pipeline_parallel_microbatch_size", "2"]  # fmt: skip
+AC_FULL = ["--activation_checkpoint.mode", "full"]
+COMPILE = ["--compile.enable", "true"]
+
+
+def cp(n: int) -> list[str]:
+    return ["--parallelism.context_parallel_degree", str(n)]
+
+
+# layout: (ranks, arguments); global batch 8 sequences everywhere
+SHAPES = {
+    "cp2": (2, cp(2)),
+    "cp4_accum": (4, [*cp(4), LB, "4", GB, "8"]),
+    "cp2_fsdp2_ac": (4, [*cp(2), LB, "4", *AC_FULL]),
+    "cp2_tp2": (4, [*cp(2), *TP2]),
+    "cp2_pp2": (4, [*cp(2), *PP2]),
+}
+# name -> (ranks, arguments, reference)
+LAYOUTS = {
+    f"{family}_{shape}{doc}": (n, [*FAMILIES[family], *args, *(DOC if doc else [])], family + doc)
+    for family in FAMILIES
+    for shape, (n, args) in SHAPES.items()
+    for doc in ("", "_doc")
+}
+LAYOUTS["llama_cp2_tp2"][1].extend(COMPILE)
+MOE = ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel",
+       "--model.moe_aux_loss_coeff", "0.01", "--optimizer.lr", "1e-3"]  # fmt: skip
+LAYOUTS["moe_cp2_doc"] = (2, [*MOE, *cp(2), *DOC], "moe_doc")
+REFERENCES = {f"{f}{d}": [*args, *(DOC if d else [])] for f, args in FAMILIES.items()
+              for d in ("", "_doc")}  # fmt: skip
+REFERENCES["moe_doc"] = [*MOE, *DOC]
+# the MoE family's measured tolerances (tests/integration/test_moe_parity.py)
+MOE_TOL = dataclasses.replace(FP32, loss=2e-5, grad_norm=3e-4, weights=2e-2, weights_norm=1e-3)
+# resumed from llama_cp2_doc's step-10 checkpoint: name -> (ranks, layout arguments)
+SAVER = "llama_cp2_doc"
+RESUMED = {
+    "llama_cp2_doc_resumed": (2, LAYOUTS[SAVER][1]),  # the same layout: exact
+    "llama_cp2_doc_to_cp1": (1, DOC),  # resharded to one process
+}
+COMMON = ["--training.steps", str(STEPS), *CHECKPOINT_ARGS]
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    base = tmp_path_factory.mktemp("cp_parity")
+    refs = {name: ref for name, (_, _, ref) in LAYOUTS.items()}
+    refs |= {name: SAVER for name in RESUMED}
+    needs = {
+        "test_resume_and_reshard_cp": [*RESUMED, "llama_doc"],
+        "test_document_mask_changes_training": ["llama", "llama_doc"],
+    }
+    want = selected_runs(request, LAYOUTS, needs, refs, {SAVER: "llama_doc"})
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(base / "inductor_cache")}  # see test_parallel_parity
+    todo = [Run(n, base / n, 1, COMMON + a) for n, a in REFERENCES.items() if n in want]
+    todo += [
+        Run(n, base / n, k, COMMON + a, env=env) for n, (k, a, _) in LAYOUTS.items() if n in want
+    ]
+    load = ["--checkpoint.initial_load_path", str(base / SAVER / "checkpoint" / "step-10")]
+    load += ["--checkpoint.initial_load_model_only", "false"]
+    todo += [
+        Run(n, base / n, k, COMMON + a + load, after=SAVER)
+        for n, (k, a) in RESUMED.items()
+        if n in want
+    ]
+    todo.sort(key=lambda r: ("compile" not in " ".join(r.args), -r.nproc))
+    return launch_many(todo, parallel=2)
+
+
+def _tolerance(name: str):
+    return MOE_TOL if name.startswith("moe") else TOLERANCE[name.split("_")[0]]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_cp_layout_matches_one_process(runs, name):
+    run, ref = runs[name].check(), runs[LAYOUTS[name][2]].check()
+    if not name.startswith("moe"):  # the MoE experts are not cut tp x shard times
+        assert_layout(run.folder, run.nproc, run.args)
+    assert_parity(ref.folder, run.folder, _tolerance(name))
+
+
+def test_document_mask_changes_training(runs):
+    """Document masking is really on in the "_doc" runs: their reference ends elsewhere."""
+    plain, masked = runs["llama"].check(), runs["llama_doc"].check()
+    d = weight_diff(final_weights(plain.folder), final_weights(masked.folder))
+    assert d["max_rel"] > 100 * FP32.weights, d
+
+
+def test_resume_and_reshard_cp(runs):
+    """The CP 2 step-10 checkpoint continues bit for bit at CP 2, and within the parity
+    tolerances in one process (CP 1), data position included."""
+    saver, ref = runs[SAVER].check(), runs["llama_doc"].check()
+    for name, (nproc, _) in RESUMED.items():
+        run = runs[name].check()
+        assert "checkpoint: loaded" in run.output, name
+        assert sorted(run.losses()) == list(range(11, STEPS + 1)), name
+        assert_layout(run.folder, nproc, run.args)
+        exact = name.endswith("_resumed")
+        assert_parity(saver.folder if exact else ref.folder, run.folder, EXACT if exact else FP32,
+                      first=11)  # fmt: skip
