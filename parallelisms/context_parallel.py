@@ -29,9 +29,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.attention.bias import causal_lower_right
 
 from models.attention import ScaledDotProductAttention, attend
 
@@ -102,9 +104,10 @@ def sequence_inputs(
     split: SequenceSplit, inputs: torch.Tensor, labels: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """(inputs, labels, model keyword arguments) of this rank for full sequences [batch, seq]:
-    under CP the rank's two chunks, with `positions` (for RoPE) and the `attention_mask`
-    between its queries and the gathered keys; with document masking the document-causal
-    mask. Plain layouts get the batch back unchanged and no keyword arguments."""
+    under CP the rank's two chunks with their `positions` (for RoPE); with document masking
+    the `attention_mask` (between the rank's queries and the gathered keys under CP). Plain
+    layouts get the batch back unchanged and no keyword arguments; plain CP gets no mask
+    (`ContextParallelAttention` is causal chunk by chunk)."""
     if split.plain:
         return inputs, labels, {}
     batch, seq = inputs.shape
@@ -115,39 +118,35 @@ def sequence_inputs(
         mask = attention_mask(positions, positions, documents, documents)
         return inputs, labels, {"attention_mask": mask.expand(batch, -1, -1, -1)}
     mine = local_positions(seq, split.cp_rank, split.cp).to(inputs.device)
-    keys = gathered_positions(seq, split.cp).to(inputs.device)
-    mask = attention_mask(
-        mine,
-        keys,
-        None if documents is None else documents[:, mine],
-        None if documents is None else documents[:, keys],
-    )
-    kwargs = {
-        "positions": mine.expand(batch, -1),
-        "attention_mask": mask.expand(batch, -1, -1, -1),
-    }
+    kwargs = {"positions": mine.expand(batch, -1)}
+    if documents is not None:
+        keys = gathered_positions(seq, split.cp).to(inputs.device)
+        mask = attention_mask(mine, keys, documents[:, mine], documents[:, keys])
+        kwargs["attention_mask"] = mask
     return inputs[:, mine], labels[:, mine], kwargs
 
 
 class ContextParallelAttention(nn.Module):
     """The attention core under CP: the local queries attend to the keys and values of the
-    whole sequence, all-gathered over "cp" (see the module doc); `mask` is required."""
+    whole sequence, all-gathered over "cp" (see the module doc). With a mask (document
+    masking) one masked SDPA call; without, each of the rank's two chunks attends causally to
+    the keys up to its end (a lower-right causal bias: the fused kernels on CUDA build no
+    mask, and none over the whole sequence is kept for backward)."""
 
     def __init__(self, cp_mesh: DeviceMesh):
         super().__init__()
         # The group's name (a string) rather than the group: deep copies (pipeline stages
         # are cut from copies of the model) and compiled graphs take it as it is.
         self.group_name = cp_mesh.get_group().group_name
+        self.cp_rank, self.cp = cp_mesh.get_local_rank(), cp_mesh.size()
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if mask is None:
-            raise RuntimeError(
-                "context-parallel attention needs the attention_mask from "
-                "parallelisms.context_parallel.sequence_inputs"
-            )
-        return attend(q, self._gather(k), self._gather(v), mask)
+        k, v = self._gather(k), self._gather(v)
+        if mask is not None:
+            return attend(q, k, v, mask)
+        return causal_chunks(q, k, v, self.cp_rank, self.cp)
 
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
         """[batch, heads, seq/cp, head_dim] -> [batch, heads, seq, head_dim], the ranks'
@@ -155,6 +154,37 @@ class ContextParallelAttention(nn.Module):
         (the one dimension every torch version's functional all-gather supports)."""
         gathered = _all_gather_autograd(x.transpose(0, 2).contiguous(), 0, self.group_name)
         return gathered.transpose(0, 2)
+
+
+def causal_chunks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_rank: int, cp: int
+) -> torch.Tensor:
+    """Causal attention of CP rank `cp_rank`'s queries (its chunks cp_rank and 2cp-1-cp_rank,
+    [batch, heads, 2 x chunk, head_dim]) over the gathered keys and values (rank-major, KV
+    heads): the keys put back in position order, each chunk attends to the keys before it
+    and, causally, to its own."""
+    seq = k.shape[2]
+    order = torch.argsort(gathered_positions(seq, cp)).to(k.device)
+    k, v = k.index_select(2, order), v.index_select(2, order)
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+    chunk = seq // (2 * cp)
+    outs = []
+    for q_chunk, index in zip(q.split(chunk, dim=2), (cp_rank, 2 * cp - 1 - cp_rank)):
+        end = (index + 1) * chunk
+        outs.append(F.scaled_dot_product_attention(q_chunk, k[:, :, :end], v[:, :, :end],
+                                                   _lower_right_causal(chunk, end, q.device)))  # fmt: skip
+    return torch.cat(outs, dim=2)
+
+
+def _lower_right_causal(queries: int, keys: int, device: torch.device):
+    """Query i of the last `queries` positions sees keys 0..keys-queries+i. Eager: torch's
+    causal bias, which CUDA's fused kernels apply without building a mask. Compiled blocks get
+    the [queries, keys] boolean mask (dynamo cannot build the bias), shared by the batch."""
+    if torch.compiler.is_compiling():
+        full = torch.ones(queries, keys, dtype=torch.bool, device=device)
+        return full.tril(diagonal=keys - queries)
+    return causal_lower_right(queries, keys)
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> int:

@@ -8,12 +8,14 @@ import pytest
 import torch
 from torch import nn
 
+from models.attention import attend
 from models.llama3.model import ModelArgs, Transformer
 from models.qwen3.model import Qwen3, Qwen3Args
 from parallelisms.context_parallel import (
     SequenceSplit,
     apply_context_parallel,
     attention_mask,
+    causal_chunks,
     document_ids,
     gathered_positions,
     local_positions,
@@ -71,10 +73,26 @@ def test_cp_shard_mask_is_the_full_mask_between_its_queries_and_the_gathered_key
         lx, ly, kw = sequence_inputs(SequenceSplit(r, cp, eos_id), x, y)
         assert torch.equal(lx, x[:, mine]) and torch.equal(ly, y[:, mine])
         assert torch.equal(kw["positions"], mine.expand(3, -1))
+        if eos_id is None:  # plain CP: the attention is causal chunk by chunk, no mask
+            assert "attention_mask" not in kw
+            continue
         assert kw["attention_mask"].shape == (3, 1, seq // cp, seq)
-        assert torch.equal(
-            kw["attention_mask"], full[:, :, mine][:, :, :, keys].expand(3, -1, -1, -1)
-        )
+        assert torch.equal(kw["attention_mask"], full[:, :, mine][:, :, :, keys])
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_causal_chunks_equal_full_causal_attention_of_the_ranks_queries(cp):
+    """What every CP rank computes from its queries and the gathered (rank-major, KV-head)
+    keys and values equals those queries' rows of one process's causal attention."""
+    torch.manual_seed(0)
+    seq = 16
+    q, k, v = torch.randn(2, 4, seq, 8), torch.randn(2, 2, seq, 8), torch.randn(2, 2, seq, 8)
+    want = attend(q, k, v)  # one process: causal over the whole sequence
+    keys = gathered_positions(seq, cp)
+    for r in range(cp):
+        mine = local_positions(seq, r, cp)
+        got = causal_chunks(q[:, :, mine], k[:, :, keys], v[:, :, keys], r, cp)
+        torch.testing.assert_close(got, want[:, :, mine], rtol=1e-5, atol=1e-6)
 
 
 def test_sequence_length_must_split_into_two_chunks_per_rank():
