@@ -23,8 +23,20 @@ from parallelisms.init_weights import materialize
 from parallelisms.memory_report import memory_report
 from parallelisms.parallel_dims import ParallelDims
 from planning.advise import Workload, advise, fits
-from planning.communication import Cluster, Experts, Layout, all_to_all_bytes, comm_per_step
-from planning.memory import GIB, korthikanti_layer_bytes, zero_bytes_per_param
+from planning.communication import (
+    Cluster,
+    Experts,
+    Layout,
+    all_to_all_bytes,
+    comm_per_step,
+)
+from planning.memory import (
+    GIB,
+    attention_bytes,
+    korthikanti_layer_bytes,
+    rank_activations,
+    zero_bytes_per_param,
+)
 from planning.simulate import count_experts, gathered_elements, on_ep_mesh, simulate
 from training.loss import cross_entropy_sum
 from training.optimizer import build_optimizer
@@ -472,3 +484,112 @@ def test_advise_search_for_235b_keeps_ep_groups_in_a_node_and_fits():
     assert {c.layout.ep for c in advice.tried} == {1, 2, 4, 8}
     # without experts the same shapes search TP x PP x FSDP only
     assert {c.layout.ep for c in advise(work, cluster).tried} == {1}
+
+
+# ------------------------------------------------------------------------ context parallelism
+LLAMA3_8B_128K = build_model_args("llama3", "8B", 131072)
+
+
+def _cp_activations(cp: int, ac: str = "none", extra: str = ""):
+    """Llama 3 8B's activation estimate per rank at 128K tokens on CP `cp` (one rank, TP 1)."""
+    cfg = parse_args(
+        f"--config llama3_8b --training.seq_len 131072 --activation_checkpoint.mode {ac} {extra}".split()
+    )
+    dims = ParallelDims.from_config(world_size=cp, dp_replicate=1, dp_shard=1, tp=1, pp=1, cp=cp)
+    spec = get_model_spec("llama3")
+    return rank_activations(cfg, LLAMA3_8B_128K, dims, 0, 32, True, spec.block_activation_bytes)
+
+
+def test_cp_terms_by_hand_for_llama3_8b_at_128k():
+    """Per layer a CP 2 rank adds the gathered K and V repeated to the 32 query heads beyond
+    its own half (2 x 65,536 x 4096 x 2 B) and SDPA's bf16 copy of the [65,536 x 131,072]
+    mask; once per micro-batch the boolean mask; one layer's K/V gradients at 128K tokens."""
+    c = attention_bytes(LLAMA3_8B_128K, 131072, 1, 1, 2)
+    assert (c.kv, c.mask, c.mask_input) == (1 << 30, 16 << 30, 8 << 30)
+    assert c.transient == 2 * 131072 * (4096 + 1024) * 2  # 2.5 GiB
+    assert attention_bytes(LLAMA3_8B_128K, 131072, 1, 1, 1).per_layer == 0
+    at_tp2 = attention_bytes(LLAMA3_8B_128K, 131072, 1, 2, 4)
+    assert (at_tp2.kv, at_tp2.mask) == (2 * 98304 * 2048 * 2, 32768 * 131072 * 2)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_cp_divides_the_per_rank_activations_by_its_degree(cp, ac):
+    """What scales with the rank's tokens (the block count, full AC's kept inputs, the logits)
+    falls exactly by the CP degree; the gathered K/V, the masks and the transient come on top."""
+    one, split = _cp_activations(1, ac), _cp_activations(cp, ac)
+    c = attention_bytes(LLAMA3_8B_128K, 131072, 1, 1, cp)
+    assert split.block * cp == one.block and split.logits * cp == one.logits
+    assert split.per_checkpointed * cp == one.per_checkpointed
+    if ac == "none":
+        assert (one.kept, split.kept) == (32, 32)
+        assert split.per_layer == one.per_layer / cp + c.kv + c.mask
+        extra = 32 * (c.kv + c.mask)
+    else:
+        assert (one.checkpointed, split.checkpointed) == (32, 32)
+        assert split.recompute == one.recompute / cp + c.kv + c.mask
+        extra = c.kv + c.mask
+        assert split.total < one.total  # only the recomputed layer keeps CP's full-length terms
+    assert split.total == int(one.total / cp + extra + c.mask_input + c.transient)
+    assert f"s=131072/cp {cp} = {131072 // cp}" in split.describe()
+
+
+@pytest.mark.parametrize("world,tp,cp", [(4, 1, 2), (4, 1, 4), (8, 2, 2)])
+def test_cp_states_are_sharded_over_dp_shard_x_cp(world, tp, cp):
+    """The real parallelize functions (FSDP over "dp_shard_cp"): a CP layout holds the same
+    parameter, gradient and AdamW bytes as FSDP alone over its dp_shard x cp ranks, and the
+    world is pp x dp_replicate x dp_shard x cp x tp."""
+    spec = get_model_spec("llama3")
+    cfg = _cfg(f"--parallelism.tensor_parallel_degree {tp}")
+    base = simulate(spec, _args(cfg), cfg, world, device_type="cpu", ranks=[0]).ranks[0]
+    cfg = _cfg(
+        f"--parallelism.tensor_parallel_degree {tp} --parallelism.context_parallel_degree {cp}"
+    )
+    plan = simulate(spec, _args(cfg), cfg, world, device_type="cpu", ranks=[0])
+    assert plan.dims.dp_shard * plan.dims.cp * plan.dims.tp == world
+    assert plan.dims.dp_shard == world // (tp * cp)
+    rank = plan.ranks[0]
+    assert (rank.params, rank.grads, rank.optimizer) == (base.params, base.grads, base.optimizer)
+    n = 647_488  # the tiny model's parameters
+    if tp == 1:  # fp32 on CPU, 1/world of every parameter
+        assert rank.params == 4 * n // world
+
+
+def test_document_mask_adds_its_mask_without_cp():
+    """Document masking passes a [b, 1, s, s] mask to every layer at CP 1 too: its bf16 copy
+    per layer and the boolean mask once; no gathered K/V."""
+    plain, masked = _cp_activations(1), _cp_activations(1, extra="--training.document_mask")
+    a = attention_bytes(LLAMA3_8B_128K, 131072, 1, 1, 1, document_mask=True)
+    assert (a.kv, a.mask, a.mask_input, a.transient) == (0, 32 << 30, 16 << 30, 0)
+    assert masked.total == plain.total + 32 * a.mask + a.mask_input
+
+
+def test_cp_attention_terms_equal_what_autograd_saves_on_cpu(monkeypatch):
+    """One bf16 Llama block on a CP 4 rank's 256 of 1024 tokens, attention as CP runs it: the
+    keys and values gathered to the whole sequence (here the other ranks' parts are constants)
+    and a boolean [256 x 1024] mask. What autograd saves beyond the same block on 256 tokens
+    alone is exactly `attention_bytes`' per-layer terms: the full-length K and V at all
+    heads instead of the local ones, and SDPA's bf16 copy of the mask."""
+    import torch.nn.functional as F
+
+    s, cp, b = 1024, 4, 1
+    local = s // cp
+    args = build_model_args("llama3", "debugmodel", s, None, {"dim": 256, "n_heads": 8})
+    model = get_model_spec("llama3").model_cls(args).to(torch.bfloat16)
+    model.init_buffers("cpu")
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    skip.add(model.rope.untyped_storage().data_ptr())
+    x = torch.randn(b, local, args.dim, dtype=torch.bfloat16, requires_grad=True)
+    alone = _saved_bytes(model.layers["0"], x, skip, model.rope)
+    sdpa = F.scaled_dot_product_attention
+
+    def gathered(q, k, v, is_causal=False, **_):
+        rest = torch.zeros(*k.shape[:2], s - local, k.shape[-1], dtype=k.dtype)
+        mask = torch.ones(b, 1, local, s, dtype=torch.bool).tril()
+        return sdpa(q, torch.cat([k, rest], 2), torch.cat([v, rest], 2), attn_mask=mask)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", gathered)
+    with_cp = _saved_bytes(model.layers["0"], x, skip, model.rope)
+    c = attention_bytes(args, s, b, 1, cp)
+    assert c.kv == 2 * (s - local) * 256 * 2 and c.mask == local * s * 2
+    assert with_cp - alone == c.kv + c.mask
