@@ -22,13 +22,14 @@ from models import arg_overrides, build_model_args, get_model_spec, model_args_f
 from parallelisms.init_weights import materialize
 from parallelisms.memory_report import memory_report
 from parallelisms.parallel_dims import ParallelDims
-from planning.advise import Workload, advise, fits
+from planning.advise import Workload, advise, analytic_activations, analytic_memory, fits
 from planning.communication import (
     Cluster,
     Experts,
     Layout,
     all_to_all_bytes,
     comm_per_step,
+    kv_all_gather_bytes,
 )
 from planning.memory import (
     GIB,
@@ -532,6 +533,76 @@ def test_cp_divides_the_per_rank_activations_by_its_degree(cp, ac):
         assert split.total < one.total  # only the recomputed layer keeps CP's full-length terms
     assert split.total == int(one.total / cp + extra + c.mask_input + c.transient)
     assert f"s=131072/cp {cp} = {131072 // cp}" in split.describe()
+
+
+def test_cp_kv_all_gather_volume_by_hand():
+    """Llama 3 8B at 128K on CP 2: per layer K and V of 131,072 x 1024 bf16 (256 MiB each)
+    gathered, half of it from the other rank, and their gradients reduce-scattered back:
+    2 passes x 32 layers x 512 MiB x 1/2 = 16 GiB per micro-step; full AC gathers again."""
+    assert kv_all_gather_bytes(131072, 1, 1024, 2, 32, 2, recompute=False) == 16 << 30
+    assert kv_all_gather_bytes(131072, 1, 1024, 2, 32, 2, recompute=True) == 24 << 30
+    assert kv_all_gather_bytes(131072, 1, 1024, 1, 32, 2, recompute=False) == 0
+    n = 8_030_261_248
+    for tp, cp, link in ((1, 8, "NVLink"), (2, 4, "NVLink"), (4, 4, "network")):
+        layout = Layout(tp=tp, pp=1, dp=16 // (tp * cp), cp=cp)
+        comms = comm_per_step(
+            LLAMA3_8B_128K, n, layout, Cluster(nodes=2), seq_len=131072, local_batch=1, accum=2
+        )
+        by = {c.dim: c for c in comms}
+        kv_dim = 1024 // tp  # TP splits the kv heads
+        expected = 2 * kv_all_gather_bytes(131072, 1, kv_dim, cp, 32, 2, recompute=False)
+        assert (by["cp"].bytes, by["cp"].link, by["cp"].exposed) == (expected, link, True)
+        # FSDP spans dp x cp: the weights are gathered over all of them
+        assert by["dp_shard_cp"].size == layout.dp * cp == 16 // tp
+
+
+def test_advise_search_with_cp_keeps_the_world_and_the_chunks():
+    """Every layout tried multiplies to the world size with its CP degree, uses CP degrees that
+    are powers of two splitting the sequence into 2 x cp chunks, and the FSDP states of a CP
+    layout are those of FSDP over dp x cp ranks."""
+    spec = get_model_spec("llama3")
+    work = Workload(LLAMA3_8B_128K, 8_030_261_248, 2.5e11, 131072, 32, spec.block_activation_bytes)
+    cluster = Cluster(nodes=1, memory_gib=141)
+    advice = advise(work, cluster)
+    assert all(c.layout.tp * c.layout.pp * c.layout.dp * c.layout.cp == 8 for c in advice.tried)
+    assert {c.layout.cp for c in advice.tried} == {1, 2, 4, 8}
+    assert all(c.layout.cp * c.layout.tp <= 8 for c in advice.tried)
+    odd = dataclasses.replace(work, seq_len=131072 + 8)  # 2 x 8 chunks do not divide it
+    assert {c.layout.cp for c in advise(odd, cluster).tried} == {1, 2, 4}
+    best = advice.best
+    assert best is not None and best.layout.cp > 1 and fits(best, cluster)
+    assert not any(fits(c, cluster) for c in advice.tried if c.layout.cp == 1 and c.layout.tp == 1)
+    # the search's states are FSDP's over dp x cp: CP 4 x FSDP 2 differs from FSDP 8 alone by
+    # the activations only
+    block, n = spec.block_activation_bytes, 8_030_261_248
+    split, alone = Layout(1, 1, 2, ac="full", cp=4), Layout(1, 1, 8, ac="full")
+    mem = [analytic_memory(LLAMA3_8B_128K, n, x, 131072, 1, 128256, block) for x in (split, alone)]
+    act = [
+        analytic_activations(LLAMA3_8B_128K, x, 131072, 1, 128256, block) for x in (split, alone)
+    ]
+    assert mem[0] - mem[1] == pytest.approx(act[0] - act[1], abs=2)
+
+
+def test_advise_proposes_cp_for_llama3_8b_at_128k_on_8_gpus():
+    """Llama 3 8B at 128K on one node of 8 GPUs of 141 GB (131 GiB): CP > 1, and why: CP 1 does
+    not fit, CP's K/V traffic against TP's at the same degree, the other CP degrees."""
+    cli = _script()
+    out = io.StringIO()
+    args = ["--advise", "--config", "llama3_8b", "--training.seq_len", "131072"]
+    with contextlib.redirect_stdout(out):
+        assert cli.main([*args, "--nodes", "1", "--device-memory-gib", "131"]) == 0
+    text = out.getvalue()
+    found = re.search(r"Proposed: TP (\d+) x PP (\d+) x CP (\d+) x FSDP (\d+)", text)
+    assert found, text
+    tp, pp, cp, dp = map(int, found.groups())
+    assert cp > 1 and tp * pp * cp * dp == 8
+    assert f"- CP {cp}: each rank holds {131072 // cp:,} of every sequence's 131,072" in text
+    assert f"- CP 1 at TP {tp} x PP {pp}: does not fit" in text
+    assert f"- CP {cp} instead of TP {tp * cp}: CP sends" in text
+    assert f"cp ({cp} ranks over NVLink)" in text
+    checked = text.split("Checked with the real parallelize functions")[1]
+    assert f"tp={tp} ep=1 cp={cp}" in checked and " fits" in checked
+    assert f"s=131072/cp {cp} = {131072 // cp}" in checked
 
 
 @pytest.mark.parametrize("world,tp,cp", [(4, 1, 2), (4, 1, 4), (8, 2, 2)])
