@@ -30,10 +30,15 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed._functional_collectives import all_gather_tensor_autograd
+from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
 from models.attention import ScaledDotProductAttention, attend
+
+# torch 2.13 renamed the autograd all-gather (the old name warns); 2.11 has the old one only
+_all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or (
+    funcol.all_gather_tensor_autograd
+)
 
 
 def local_positions(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:
@@ -142,9 +147,14 @@ class ContextParallelAttention(nn.Module):
                 "context-parallel attention needs the attention_mask from "
                 "parallelisms.context_parallel.sequence_inputs"
             )
-        k = all_gather_tensor_autograd(k.contiguous(), gather_dim=2, group=self.group_name)
-        v = all_gather_tensor_autograd(v.contiguous(), gather_dim=2, group=self.group_name)
-        return attend(q, k, v, mask)
+        return attend(q, self._gather(k), self._gather(v), mask)
+
+    def _gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[batch, heads, seq/cp, head_dim] -> [batch, heads, seq, head_dim], the ranks'
+        shards in rank order; the backward reduce-scatters the gradient. Gathered along dim 0
+        (the one dimension every torch version's functional all-gather supports)."""
+        gathered = _all_gather_autograd(x.transpose(0, 2).contiguous(), 0, self.group_name)
+        return gathered.transpose(0, 2)
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> int:

@@ -77,14 +77,22 @@ def training_step(cfg, dims, device):
     import torch
 
     from models import model_args_for
+    from parallelisms.context_parallel import sequence_inputs
     from training.loss import cross_entropy_sum
     from training.optimizer import build_optimizer
     from training.step import StepSetup, clip_grad_norm_, train_step
-    from training.trainer import build_model_parts, layout_forward_contexts, load_tokenizer
+    from training.trainer import (
+        build_model_parts,
+        layout_forward_contexts,
+        load_tokenizer,
+        sequence_split,
+    )
 
     t = cfg.training
-    model_args = model_args_for(cfg.model, t.seq_len, load_tokenizer(cfg).vocab_size)
-    tokens = t.local_batch_size * t.seq_len
+    tokenizer = load_tokenizer(cfg)
+    model_args = model_args_for(cfg.model, t.seq_len, tokenizer.vocab_size)
+    split = sequence_split(cfg, dims, tokenizer)  # this rank's CP shard of each sequence
+    tokens = t.local_batch_size * t.seq_len // dims.cp
 
     def loss_fn(logits, labels):
         return cross_entropy_sum(logits, labels) / tokens
@@ -98,15 +106,14 @@ def training_step(cfg, dims, device):
         tokens_per_rank_step=tokens,
         loss_context=loss_context,
         autocast=autocast,
+        split=split,
     )
     params = [p for part in parts for p in part.parameters()]
-    gen = torch.Generator().manual_seed(cfg.debug.seed + torch.distributed.get_rank())
+    # the CP ranks of one data-parallel replica hold shards of the same sequences
+    gen = torch.Generator().manual_seed(cfg.debug.seed + dims.coordinate("dp")[0])
     shape = (t.local_batch_size, t.seq_len)
-    batch = [
-        tuple(
-            torch.randint(0, model_args.vocab_size, shape, generator=gen).to(device) for _ in "xy"
-        )
-    ]
+    x, y = (torch.randint(0, model_args.vocab_size, shape, generator=gen).to(device) for _ in "xy")
+    batch = [sequence_inputs(split, x, y)]
 
     def step():
         train_step(setup, batch)

@@ -34,6 +34,8 @@ QWEN3_PARITY = "tests/integration/test_qwen3_parity.py::test_qwen3_layout_matche
 CONTRACT = "tests/unit/test_model_contract.py"
 MOE_PARITY = "tests/integration/test_moe_parity.py::test_moe_layout_matches_one_process"
 MOE_UNIT = "tests/unit/test_moe.py"
+CP_PARITY = "tests/integration/test_cp_parity.py::test_cp_layout_matches_one_process"
+CP_UNIT = "tests/unit/test_context_parallel.py"
 
 
 @dataclass(frozen=True)
@@ -256,6 +258,44 @@ MUTANTS = [
         "            if self.counting and not _in_backward():\n                self.tokens",
         "            if self.counting:\n                self.tokens",
         (f"{MOE_UNIT}::test_recomputed_forward_counts_tokens_once", f"{MOE_PARITY}[ep4_ac]"),
+    ),
+    Mutant(
+        "cp_local_rope_positions",
+        "CP: RoPE uses each rank's local positions 0..seq/cp-1 instead of its tokens' global ones",
+        "parallelisms/context_parallel.py",
+        '"positions": mine.expand(batch, -1),',
+        '"positions": torch.arange(len(mine), device=inputs.device).expand(batch, -1),',
+        (
+            f"{CP_UNIT}::test_cp_shard_mask_is_the_full_mask_between_its_queries_and_the_gathered_keys",
+            f"{CP_PARITY}[llama_cp2]",
+        ),
+    ),
+    Mutant(
+        "cp_mask_off_by_one_chunk",
+        "CP: the causal mask takes the gathered keys' positions shifted by one chunk",
+        "parallelisms/context_parallel.py",
+        "return torch.cat([local_positions(seq_len, r, cp) for r in range(cp)])",
+        "return torch.cat([local_positions(seq_len, r, cp) for r in range(cp)]).roll(\n"
+        "        seq_len // (2 * cp)\n    )",
+        (f"{CP_PARITY}[llama_cp2]",),
+    ),
+    Mutant(
+        "cp_grads_averaged_per_cp_rank",
+        "CP: FSDP shards and averages over the data-parallel ranks only (dp_shard, not "
+        "dp_shard_cp), so each CP rank's weights learn from its own chunks' loss",
+        "parallelisms/fsdp.py",
+        'def fsdp_mesh(parallel_dims: ParallelDims, shard_dim: str = "dp_shard_cp")',
+        'def fsdp_mesh(parallel_dims: ParallelDims, shard_dim: str = "dp_shard")',
+        (f"{CP_PARITY}[llama_cp2_fsdp2_ac]",),
+    ),
+    Mutant(
+        "cp_loss_over_whole_sequences",
+        "CP: each rank divides its loss by the whole sequences' token count, not its own "
+        "(the global mean comes out cp times too small)",
+        "training/trainer.py",
+        "tokens = t.local_batch_size * (t.seq_len // cp) * accum_steps",
+        "tokens = t.local_batch_size * t.seq_len * accum_steps",
+        (f"{CP_PARITY}[llama_cp4_accum]",),
     ),
 ]
 

@@ -1,13 +1,18 @@
 """Helpers to launch real multi-process `train.py` runs on tiny configs and read their metrics.
 
 Runs use gloo on CPU; `launch_many` starts several at once (bounded), since most of a short
-run's wall time is process start-up, not compute.
+run's wall time is process start-up, not compute. It forks each run's ranks from one warm
+process that has imported torch and the trainer already (`tests/fork_launcher.py`: the
+environment torchrun gives its workers, torchrun's exit status); MESHTRAIN_TEST_TORCHRUN=1
+launches every run with torchrun itself instead, as `Run.command` prints.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -69,6 +74,66 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
+class _ForkedRun:
+    """A run started by the fork launcher, with the part of `subprocess.Popen` used below."""
+
+    _launcher: subprocess.Popen | None = None
+
+    def __init__(self, run: Run, log_path: Path):
+        launcher = self._start_launcher()
+        self.rc_path = Path(str(log_path) + ".rc")
+        self.rc_path.unlink(missing_ok=True)
+        argv = ["--config", str(run.config), "--job.dump_folder", str(run.folder), *run.args]
+        request = {"argv": argv, "nproc": run.nproc, "env": run.env, "log": str(log_path)}
+        launcher.stdin.write(json.dumps(request) + "\n")
+        launcher.stdin.flush()
+        self.pid = int(launcher.stdout.readline())
+        self.returncode: int | None = None
+
+    @classmethod
+    def _start_launcher(cls) -> subprocess.Popen:
+        if cls._launcher is None or cls._launcher.poll() is not None:
+            cls._launcher = subprocess.Popen(
+                [sys.executable, "tests/fork_launcher.py"],
+                cwd=ROOT,
+                env=_env(),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+            atexit.register(cls._launcher.kill)
+        return cls._launcher
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self.rc_path.exists():
+            self.returncode = int(self.rc_path.read_text())
+        return self.returncode
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.returncode = -signal.SIGKILL
+
+    def wait(self) -> int | None:
+        return self.returncode
+
+
+def _start(run: Run, log) -> subprocess.Popen | _ForkedRun:
+    if os.environ.get("MESHTRAIN_TEST_TORCHRUN", "") not in ("", "0"):
+        return subprocess.Popen(
+            run.command(),
+            cwd=ROOT,
+            env={**_env(), **run.env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    return _ForkedRun(run, Path(log.name))
+
+
 def launch_many(runs: list[Run], parallel: int = 2, timeout: float = 600) -> dict[str, Run]:
     """Runs every launch to completion, at most `parallel` at a time; returns them by name."""
     pending, active, done = list(runs), [], set()
@@ -84,14 +149,7 @@ def launch_many(runs: list[Run], parallel: int = 2, timeout: float = 600) -> dic
             if run.prepare is not None:
                 run.prepare()
             log = open(run.folder.with_suffix(".log"), "w+")  # closed when the run ends
-            proc = subprocess.Popen(
-                run.command(),
-                cwd=ROOT,
-                env={**_env(), **run.env},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+            proc = _start(run, log)
             active.append((run, proc, log, time.monotonic()))
         time.sleep(0.2)
         for item in list(active):
