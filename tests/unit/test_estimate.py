@@ -635,13 +635,16 @@ def test_document_mask_adds_its_mask_without_cp():
     assert masked.total == plain.total + 32 * a.mask + a.mask_input
 
 
-def test_cp_attention_terms_equal_what_autograd_saves_on_cpu(monkeypatch):
-    """One bf16 Llama block on a CP 4 rank's 256 of 1024 tokens, attention as CP runs it: the
-    keys and values gathered to the whole sequence (here the other ranks' parts are constants)
-    and a boolean [256 x 1024] mask. What autograd saves beyond the same block on 256 tokens
-    alone is exactly `attention_bytes`' per-layer terms: the full-length K and V at all
-    heads instead of the local ones, and SDPA's bf16 copy of the mask."""
-    import torch.nn.functional as F
+def test_cp_attention_terms_equal_what_autograd_saves_on_cpu():
+    """One bf16 Llama block on CP rank 0 of 4, 256 of 1024 tokens, through the real CP
+    attention (`apply_context_parallel`: K/V all-gathered over a fake 4-rank group, which
+    gives the gathered sizes) with the rank's positions and mask from `sequence_inputs`. What
+    autograd saves beyond the same block on 256 tokens alone is exactly `attention_bytes`'
+    per-layer terms: the full-length K and V at all heads instead of the local ones, and
+    SDPA's bf16 copy of the [256 x 1024] mask."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from parallelisms.context_parallel import SequenceSplit, apply_context_parallel, sequence_inputs
 
     s, cp, b = 1024, 4, 1
     local = s // cp
@@ -652,15 +655,14 @@ def test_cp_attention_terms_equal_what_autograd_saves_on_cpu(monkeypatch):
     skip.add(model.rope.untyped_storage().data_ptr())
     x = torch.randn(b, local, args.dim, dtype=torch.bfloat16, requires_grad=True)
     alone = _saved_bytes(model.layers["0"], x, skip, model.rope)
-    sdpa = F.scaled_dot_product_attention
-
-    def gathered(q, k, v, is_causal=False, **_):
-        rest = torch.zeros(*k.shape[:2], s - local, k.shape[-1], dtype=k.dtype)
-        mask = torch.ones(b, 1, local, s, dtype=torch.bool).tril()
-        return sdpa(q, torch.cat([k, rest], 2), torch.cat([v, rest], 2), attn_mask=mask)
-
-    monkeypatch.setattr(F, "scaled_dot_product_attention", gathered)
-    with_cp = _saved_bytes(model.layers["0"], x, skip, model.rope)
+    tokens = torch.zeros(b, s, dtype=torch.long)
+    _, _, inputs = sequence_inputs(SequenceSplit(0, cp), tokens, tokens)
+    rope, mask = model.rope[inputs["positions"]], inputs["attention_mask"]
+    skip |= {rope.untyped_storage().data_ptr(), mask.untyped_storage().data_ptr()}
+    with fake_world(cp):
+        assert apply_context_parallel(model, init_device_mesh("cpu", (cp,))) == args.n_layers
+        with_cp = _saved_bytes(model.layers["0"], x, skip, rope, mask)
     c = attention_bytes(args, s, b, 1, cp)
+    assert mask.shape == (b, 1, local, s) and mask.dtype == torch.bool
     assert c.kv == 2 * (s - local) * 256 * 2 and c.mask == local * s * 2
     assert with_cp - alone == c.kv + c.mask
