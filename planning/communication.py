@@ -2,8 +2,14 @@
 the link that dimension uses, and the modelled compute time they hide behind (or not).
 
 Ring collectives: an all-gather or reduce-scatter of a tensor of S bytes sends (n-1)/n S per
-rank, an all-reduce twice that. Mesh order (outer to inner) pp, dp, tp, so TP groups are the
-closest ranks. `tests/test_estimate.py` checks the bytes against the collectives of a real step.
+rank, an all-reduce twice that. Mesh order (outer to inner) pp, dp, cp, tp, so TP groups are the
+closest ranks, CP groups the next (cp ranks tp apart). `tests/test_estimate.py` checks the
+bytes against the collectives of a real step.
+
+Context parallelism (`Layout.cp`): each CP rank holds seq_len / cp tokens of every sequence;
+per layer and micro-step attention all-gathers K and V over the cp ranks and reduce-scatters
+their gradients in backward (`kv_all_gather_bytes`), on the critical path. The weights are the
+same on CP ranks: FSDP shards them over the dp x cp ranks ("dp_shard_cp").
 
 Mixture of experts (`Experts`): the EP ranks are the innermost data-parallel ranks (next to
 TP, see `parallelisms/parallel_dims.py`), so an EP group spans ep x tp neighbouring ranks.
@@ -62,7 +68,8 @@ class Comm:
 @dataclass
 class Layout:
     """A mesh to model: degrees and how it trades memory for compute (`ep`: expert-parallel
-    ranks drawn from the `dp` ones)."""
+    ranks drawn from the `dp` ones; `cp`: context-parallel ranks per sequence, world =
+    tp x pp x dp x cp, `dp` ranks reading other sequences, FSDP over dp x cp)."""
 
     tp: int
     pp: int
@@ -70,6 +77,12 @@ class Layout:
     zero_stage: int = 3
     ac: str = "none"
     ep: int = 1
+    cp: int = 1
+
+    @property
+    def fsdp(self) -> int:
+        """Ranks FSDP shards the weights over: the data-parallel and CP ranks together."""
+        return self.dp * self.cp
 
 
 @dataclass(frozen=True)
@@ -126,7 +139,7 @@ def _dp_comm(
     """The data-parallel dimension: FSDP's gathers and gradient reduce-scatter, or the
     all-reduce / reduce-scatter + all-gather of DDP and ZeRO-1/2 (overlapped with compute).
     Experts without EP travel here too, whole on every TP rank (TP does not split them)."""
-    tp, pp, dp = layout.tp, layout.pp, layout.dp
+    tp, pp, dp = layout.tp, layout.pp, layout.fsdp
     v, h = model_args.vocab_size, model_args.dim
     stage_layers = math.ceil(model_args.n_layers / pp)
     root = (2 * v * h + h) if pp == 1 else v * h  # one stage holds embedding or output
@@ -151,7 +164,9 @@ def _dp_comm(
     else:
         nbytes = frac * stage_params * (reduce_bytes + param_bytes)
         what = "ZeRO-2: gradient reduce-scatter + parameter all-gather"
-    return _comm("dp", tp, dp, cluster, nbytes, False, what)
+    if layout.cp > 1:
+        what = what.replace("FSDP:", f"FSDP over dp {layout.dp} x cp {layout.cp}:")
+    return _comm("dp_shard_cp" if layout.cp > 1 else "dp", tp, dp, cluster, nbytes, False, what)
 
 
 def _expert_fsdp_comm(
@@ -210,6 +225,35 @@ def _ep_comm(
     return _comm("ep", layout.tp, layout.ep, cluster, per_micro * steps, True, what)
 
 
+def kv_all_gather_bytes(
+    seq_len: int, b: int, kv_dim: float, cp: int, layers: int, elem: int, recompute: bool
+) -> float:
+    """Bytes one rank sends per micro-step for CP's attention: per layer an all-gather of K
+    and V ([b, seq_len, kv_dim] each, gathered from the rank's seq_len / cp tokens) in forward
+    and a reduce-scatter of their gradients in backward, one more all-gather when full AC
+    recomputes the forward; (cp - 1) / cp of each leaves the rank."""
+    passes = 2 + (1 if recompute else 0)
+    return passes * layers * 2 * b * seq_len * kv_dim * elem * (cp - 1) / cp
+
+
+def _cp_comm(
+    model_args, layout: Layout, cluster: Cluster, seq_len: int, b: int, steps: int, pb: int
+) -> Comm:
+    """CP's K/V all-gathers and gradient reduce-scatters over the cp ranks (tp apart), on the
+    critical path: attention waits for the gathered keys. TP splits the K/V heads."""
+    layers = math.ceil(model_args.n_layers / layout.pp)
+    kv_dim = model_args.kv_heads * model_args.head_dim / layout.tp
+    full = layout.ac == "full"
+    per_micro = kv_all_gather_bytes(seq_len, b, kv_dim, layout.cp, layers, pb, full)
+    kv = 2 * b * seq_len * kv_dim * pb
+    what = (
+        f"CP: all-gather of K and V ({kv / 2**20:.0f} MiB gathered, {model_args.kv_heads} "
+        "kv heads) per layer and micro-batch, their gradients reduce-scattered in backward"
+        + (", again in the full-AC recompute" if full else "")
+    )
+    return _comm("cp", layout.tp, layout.cp, cluster, per_micro * steps, True, what)
+
+
 def _tp_comm(
     layout: Layout,
     cluster: Cluster,
@@ -244,7 +288,7 @@ def _pp_comm(layout: Layout, cluster: Cluster, act: float, micro_steps: int) -> 
     """Pipeline send/recv of each micro-batch's (TP-sharded) activation and its gradient."""
     nbytes = 2 * micro_steps * (act / layout.tp)
     what = f"PP: send/recv of {micro_steps} micro-batch activations and their gradients"
-    return _comm("pp", layout.tp * layout.dp, layout.pp, cluster, nbytes, True, what)
+    return _comm("pp", layout.tp * layout.fsdp, layout.pp, cluster, nbytes, True, what)
 
 
 def comm_per_step(
@@ -268,10 +312,11 @@ def comm_per_step(
     embeddings (whose backward needs no weights) are gathered once, every block twice
     (forward, backward) except the last, which stays gathered; gradients are reduce-scattered
     once per step. Under PP parameters stay gathered for the whole step. TP, PP and EP move
-    activations in the compute dtype (`param_bytes`). `experts`: a mixture-of-experts model
-    (with `layout.ep` > 1, the experts' own FSDP traffic and EP's all-to-alls)."""
+    activations in the compute dtype (`param_bytes`), of the rank's seq_len / cp tokens; CP's
+    K/V all-gathers are over the whole sequence. `experts`: a mixture-of-experts model (with
+    `layout.ep` > 1, the experts' own FSDP traffic and EP's all-to-alls)."""
     out = []
-    if layout.dp > 1:
+    if layout.fsdp > 1:
         out.append(
             _dp_comm(
                 model_args, n_params, layout, cluster, accum, param_bytes, reduce_bytes, experts
@@ -280,15 +325,18 @@ def comm_per_step(
     pp = layout.pp
     b = microbatch if pp > 1 else local_batch
     micro_steps = accum * (max(1, local_batch // microbatch) if pp > 1 else 1)
-    act = seq_len * b * model_args.dim * param_bytes  # one [b, s, h] activation
+    local = seq_len // layout.cp  # a CP rank's tokens of each sequence
+    act = local * b * model_args.dim * param_bytes  # one [b, s/cp, h] activation
     if experts is not None and layout.ep > 1:
         expert_dp = _expert_fsdp_comm(
             model_args, layout, cluster, experts, accum, param_bytes, reduce_bytes
         )
         out += [expert_dp] if expert_dp is not None else []
         out.append(
-            _ep_comm(model_args, layout, cluster, experts, seq_len * b, micro_steps, param_bytes)
+            _ep_comm(model_args, layout, cluster, experts, local * b, micro_steps, param_bytes)
         )
+    if layout.cp > 1:
+        out.append(_cp_comm(model_args, layout, cluster, seq_len, b, micro_steps, param_bytes))
     if layout.tp > 1:
         stage_layers = math.ceil(model_args.n_layers / pp)
         moe = _stage_moe_layers(model_args, layout, experts)
@@ -301,11 +349,13 @@ def comm_per_step(
 def compute_seconds(
     fpt: float, tokens_per_rank: float, layout: Layout, cluster: Cluster, unsplit_fpt: float = 0.0
 ) -> float:
-    """Model FLOPs / (peak x MFU), with full AC's extra forward (x 4/3). `unsplit_fpt`: the
-    part of `fpt` that TP does not divide (MoE experts: every TP rank runs its experts on the
-    whole sequence)."""
-    flops = (fpt - unsplit_fpt) * tokens_per_rank / (layout.tp * layout.pp)
-    flops += unsplit_fpt * tokens_per_rank / layout.pp
+    """Model FLOPs / (peak x MFU), with full AC's extra forward (x 4/3). `tokens_per_rank`:
+    a data-parallel rank's tokens, which its CP ranks split evenly (the load-balanced chunks
+    give each the same share of causal attention). `unsplit_fpt`: the part of `fpt` that TP
+    does not divide (MoE experts: every TP rank runs its experts on the whole sequence)."""
+    tokens = tokens_per_rank / layout.cp
+    flops = (fpt - unsplit_fpt) * tokens / (layout.tp * layout.pp)
+    flops += unsplit_fpt * tokens / layout.pp
     if layout.ac == "full":
         flops *= 4 / 3
     return flops / (cluster.peak_tflops * 1e12 * cluster.mfu)

@@ -3,8 +3,10 @@
 Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models", eqs. 1-2): sbh(34 + 5as/h) bytes per layer, with tensor/sequence-parallel
 and recompute variants; the totals use the model family's own count of what one block saves
-(`ModelSpec.block_activation_bytes`). Pure arithmetic: nothing here needs a model or a
-process group (`planning.simulate` reads the rest from the parallelized model).
+(`ModelSpec.block_activation_bytes`). Under context parallelism (cp ranks per sequence) a rank
+counts its s/cp tokens and adds what attention over the gathered keys keeps, and the
+explicit mask CP and document masking pass to attention (`attention_bytes`). Pure arithmetic: nothing here needs a model or a process group
+(`planning.simulate` reads the rest from the parallelized model).
 """
 
 from __future__ import annotations
@@ -57,19 +59,67 @@ def in_flight_microbatches(schedule: str, pp: int, pp_rank: int, n_micro: int) -
     return min(n_micro, pp - pp_rank)
 
 
+@dataclass(frozen=True)
+class AttentionBytes:
+    """What attention adds on one rank beyond the family's causal count at its tokens (bytes):
+    CP's gathered keys and, under CP or document masking, the explicit mask (zeros without).
+
+    kv:         per layer, saved: SDPA keeps the gathered K and V repeated to the query heads,
+                [b, n_heads/t, s, head_dim] each, of which the family's count at s/cp tokens
+                already holds the local 1/cp.
+    mask:       per layer, saved: SDPA's compute-dtype copy of the [b, 1, s/cp, s] mask
+                (measured on CPU: a boolean mask is saved converted, 2 B per element).
+    mask_input: per micro-batch: the boolean mask itself (1 B per element), one for all layers.
+    transient:  one layer's backward at a time: the gradients of the repeated gathered K and V
+                and of the gathered K and V (kv heads) before their reduce-scatter.
+    """
+
+    kv: float = 0.0
+    mask: float = 0.0
+    mask_input: float = 0.0
+    transient: float = 0.0
+
+    @property
+    def per_layer(self) -> float:
+        return self.kv + self.mask
+
+
+def attention_bytes(
+    model_args, s: int, b: int, tp: int, cp: int, elem: int = 2, document_mask: bool = False
+) -> AttentionBytes:
+    """`AttentionBytes` of `s`-token sequences (`b` per micro-batch) split over `cp`
+    ranks, TP degree `tp`, `elem`-byte activations; reads n_heads, kv_heads and head_dim.
+    Without CP only a document mask ([b, 1, s, s]) adds anything."""
+    local = s // cp
+    mask = float(b) * local * s if cp > 1 or document_mask else 0.0
+    if cp <= 1:
+        return AttentionBytes(mask=mask * elem, mask_input=mask)
+    q_dim = model_args.n_heads * model_args.head_dim / tp
+    kv_dim = model_args.kv_heads * model_args.head_dim / tp
+    return AttentionBytes(
+        kv=2.0 * b * (s - local) * q_dim * elem,
+        mask=mask * elem,
+        mask_input=mask,
+        transient=2.0 * b * s * (q_dim + kv_dim) * elem,
+    )
+
+
 @dataclass
 class Activations:
     """One rank's activation estimate, term by term (bytes): `kept` layers at `per_layer`
     and `checkpointed` ones at `per_checkpointed`, for each of `microbatches` in flight, plus
-    the one layer full AC recomputes in backward and the logits of the last stage."""
+    the one layer full AC recomputes in backward and the logits of the last stage. Under CP
+    (`cp` > 1) `s` is the whole sequence and the rank holds s/cp of it; `attention` is what CP's
+    gathered keys and an explicit mask add (in `per_layer` and `recompute` already; the mask
+    once per micro-batch in flight and one layer's transient on top)."""
 
     s: int
     b: int
     h: int
     a: int
     tp: int
-    korthikanti: float  # Korthikanti's count of one layer, for reference
-    block: float  # the model family's count of one layer
+    korthikanti: float  # Korthikanti's count of one layer at s/cp tokens, for reference
+    block: float  # the model family's count of one layer at s/cp tokens (no CP terms)
     kept: int
     per_layer: float
     checkpointed: int
@@ -77,27 +127,44 @@ class Activations:
     microbatches: int
     recompute: float
     logits: float
+    cp: int = 1
+    attention: AttentionBytes = AttentionBytes()
 
     @property
     def total(self) -> int:
         layers = self.microbatches * (
             self.kept * self.per_layer + self.checkpointed * self.per_checkpointed
         )
-        return int(layers + self.recompute + self.logits)
+        cp_extra = self.microbatches * self.attention.mask_input + self.attention.transient
+        return int(layers + self.recompute + self.logits + cp_extra)
 
     def describe(self) -> str:
         """The terms in words and GiB, as the per-rank table's notes print them."""
         kept, full = self.kept, self.checkpointed
         return (
-            f"s={self.s} b={self.b} h={self.h} a={self.a} t={self.tp} (Korthikanti "
+            f"s={self.s}"
+            + (f"/cp {self.cp} = {self.s // self.cp}" if self.cp > 1 else "")
+            + f" b={self.b} h={self.h} a={self.a} t={self.tp} (Korthikanti "
             f"{self.korthikanti / GIB:.3f} GiB/layer, the family's block count "
-            f"{self.block / GIB:.3f}): "
+            f"{self.block / GIB:.3f}"
+            + (self._describe_attention() if self.attention.mask else "")
+            + "): "
             + (f"{kept} layers x {self.per_layer / GIB:.3f} GiB" if kept else "")
             + (" + " if kept and full else "")
             + (f"{full} checkpointed x {self.per_checkpointed / GIB:.3f} GiB" if full else "")
             + (f", x {self.microbatches} microbatches in flight" if self.microbatches > 1 else "")
             + (f", + 1 layer recomputed {self.recompute / GIB:.3f} GiB" if self.recompute else "")
             + (f", logits {self.logits / GIB:.2f} GiB" if self.logits else "")
+        )
+
+    def _describe_attention(self) -> str:
+        c = self.attention
+        return (
+            "; per layer"
+            + (f" + gathered K/V {c.kv / GIB:.3f}" if c.kv else "")
+            + f" + mask copy {c.mask / GIB:.3f}; + boolean mask {c.mask_input / GIB:.3f} per "
+            "micro-batch"
+            + (f", + one layer's gathered K/V gradients {c.transient / GIB:.3f}" if c.kv else "")
         )
 
 
@@ -136,19 +203,22 @@ def rank_activations(
 ) -> Activations:
     """Activation estimate for one rank holding `layers` blocks (16-bit activations; fused
     attention unless `scores_stored`): `block_bytes(args, seq_len, batch, tp)` is the family's
-    count of what one block saves (`ModelSpec.block_activation_bytes`)."""
-    s, h, a, tp = cfg.training.seq_len, model_args.dim, model_args.n_heads, dims.tp
+    count of what one block saves (`ModelSpec.block_activation_bytes`), taken at the rank's
+    seq_len / cp tokens; CP's gathered keys and the mask come on top (`attention_bytes`)."""
+    s, h, a, tp, cp = cfg.training.seq_len, model_args.dim, model_args.n_heads, dims.tp, dims.cp
+    local = s // cp  # tokens of each sequence on this rank
     b, micro = _microbatches(cfg, dims, pp_rank)
     full_layers, rec = _checkpointing(cfg.activation_checkpoint, layers)
-    korth = korthikanti_layer_bytes(s, b, h, a, tp, recompute=rec, scores_stored=scores_stored)
-    whole = block_bytes(model_args, s, b, tp)
-    if scores_stored:
-        whole += korthikanti_layer_bytes(s, b, h, a, tp) - korthikanti_layer_bytes(
-            s, b, h, a, tp, scores_stored=False
-        )
+    korth = korthikanti_layer_bytes(local, b, h, a, tp, recompute=rec, scores_stored=scores_stored)
+    block = block_bytes(model_args, local, b, tp)
+    mask = cfg.training.document_mask
+    attention = attention_bytes(model_args, s, b, tp, cp, document_mask=mask)
+    whole = block + attention.per_layer
+    if scores_stored:  # Korthikanti's 5as/h term: [local queries x s keys] per head
+        whole += 5.0 * a * b * local * s / tp
     logits = 0.0
     if has_output:  # bf16 logits + fp32 copy for the cross-entropy, vocab-sharded under TP
-        logits = micro * s * b * model_args.vocab_size / tp * (2 + 4)
+        logits = micro * local * b * model_args.vocab_size / tp * (2 + 4)
     return Activations(
         s,
         b,
@@ -156,14 +226,16 @@ def rank_activations(
         a,
         tp,
         korthikanti=korth,
-        block=whole,
+        block=block,
         kept=layers - full_layers,
-        per_layer=korth if rec == "selective" else whole,
+        per_layer=korth + attention.per_layer if rec == "selective" else whole,
         checkpointed=full_layers,
-        per_checkpointed=korthikanti_layer_bytes(s, b, h, a, tp, recompute="full"),
+        per_checkpointed=korthikanti_layer_bytes(local, b, h, a, tp, recompute="full"),
         microbatches=micro,
         recompute=whole if full_layers else 0.0,  # backward recomputes one layer at a time
         logits=logits,
+        cp=cp,
+        attention=attention,
     )
 
 

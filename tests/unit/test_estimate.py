@@ -22,9 +22,22 @@ from models import arg_overrides, build_model_args, get_model_spec, model_args_f
 from parallelisms.init_weights import materialize
 from parallelisms.memory_report import memory_report
 from parallelisms.parallel_dims import ParallelDims
-from planning.advise import Workload, advise, fits
-from planning.communication import Cluster, Experts, Layout, all_to_all_bytes, comm_per_step
-from planning.memory import GIB, korthikanti_layer_bytes, zero_bytes_per_param
+from planning.advise import Workload, advise, analytic_activations, analytic_memory, fits
+from planning.communication import (
+    Cluster,
+    Experts,
+    Layout,
+    all_to_all_bytes,
+    comm_per_step,
+    kv_all_gather_bytes,
+)
+from planning.memory import (
+    GIB,
+    attention_bytes,
+    korthikanti_layer_bytes,
+    rank_activations,
+    zero_bytes_per_param,
+)
 from planning.simulate import count_experts, gathered_elements, on_ep_mesh, simulate
 from training.loss import cross_entropy_sum
 from training.optimizer import build_optimizer
@@ -472,3 +485,184 @@ def test_advise_search_for_235b_keeps_ep_groups_in_a_node_and_fits():
     assert {c.layout.ep for c in advice.tried} == {1, 2, 4, 8}
     # without experts the same shapes search TP x PP x FSDP only
     assert {c.layout.ep for c in advise(work, cluster).tried} == {1}
+
+
+# ------------------------------------------------------------------------ context parallelism
+LLAMA3_8B_128K = build_model_args("llama3", "8B", 131072)
+
+
+def _cp_activations(cp: int, ac: str = "none", extra: str = ""):
+    """Llama 3 8B's activation estimate per rank at 128K tokens on CP `cp` (one rank, TP 1)."""
+    cfg = parse_args(
+        f"--config llama3_8b --training.seq_len 131072 --activation_checkpoint.mode {ac} {extra}".split()
+    )
+    dims = ParallelDims.from_config(world_size=cp, dp_replicate=1, dp_shard=1, tp=1, pp=1, cp=cp)
+    spec = get_model_spec("llama3")
+    return rank_activations(cfg, LLAMA3_8B_128K, dims, 0, 32, True, spec.block_activation_bytes)
+
+
+def test_cp_terms_by_hand_for_llama3_8b_at_128k():
+    """Per layer a CP 2 rank adds the gathered K and V repeated to the 32 query heads beyond
+    its own half (2 x 65,536 x 4096 x 2 B) and SDPA's bf16 copy of the [65,536 x 131,072]
+    mask; once per micro-batch the boolean mask; one layer's K/V gradients at 128K tokens."""
+    c = attention_bytes(LLAMA3_8B_128K, 131072, 1, 1, 2)
+    assert (c.kv, c.mask, c.mask_input) == (1 << 30, 16 << 30, 8 << 30)
+    assert c.transient == 2 * 131072 * (4096 + 1024) * 2  # 2.5 GiB
+    assert attention_bytes(LLAMA3_8B_128K, 131072, 1, 1, 1).per_layer == 0
+    at_tp2 = attention_bytes(LLAMA3_8B_128K, 131072, 1, 2, 4)
+    assert (at_tp2.kv, at_tp2.mask) == (2 * 98304 * 2048 * 2, 32768 * 131072 * 2)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_cp_divides_the_per_rank_activations_by_its_degree(cp, ac):
+    """What scales with the rank's tokens (the block count, full AC's kept inputs, the logits)
+    falls exactly by the CP degree; the gathered K/V, the masks and the transient come on top."""
+    one, split = _cp_activations(1, ac), _cp_activations(cp, ac)
+    c = attention_bytes(LLAMA3_8B_128K, 131072, 1, 1, cp)
+    assert split.block * cp == one.block and split.logits * cp == one.logits
+    assert split.per_checkpointed * cp == one.per_checkpointed
+    if ac == "none":
+        assert (one.kept, split.kept) == (32, 32)
+        assert split.per_layer == one.per_layer / cp + c.kv + c.mask
+        extra = 32 * (c.kv + c.mask)
+    else:
+        assert (one.checkpointed, split.checkpointed) == (32, 32)
+        assert split.recompute == one.recompute / cp + c.kv + c.mask
+        extra = c.kv + c.mask
+        assert split.total < one.total  # only the recomputed layer keeps CP's full-length terms
+    assert split.total == int(one.total / cp + extra + c.mask_input + c.transient)
+    assert f"s=131072/cp {cp} = {131072 // cp}" in split.describe()
+
+
+def test_cp_kv_all_gather_volume_by_hand():
+    """Llama 3 8B at 128K on CP 2: per layer K and V of 131,072 x 1024 bf16 (256 MiB each)
+    gathered, half of it from the other rank, and their gradients reduce-scattered back:
+    2 passes x 32 layers x 512 MiB x 1/2 = 16 GiB per micro-step; full AC gathers again."""
+    assert kv_all_gather_bytes(131072, 1, 1024, 2, 32, 2, recompute=False) == 16 << 30
+    assert kv_all_gather_bytes(131072, 1, 1024, 2, 32, 2, recompute=True) == 24 << 30
+    assert kv_all_gather_bytes(131072, 1, 1024, 1, 32, 2, recompute=False) == 0
+    n = 8_030_261_248
+    for tp, cp, link in ((1, 8, "NVLink"), (2, 4, "NVLink"), (4, 4, "network")):
+        layout = Layout(tp=tp, pp=1, dp=16 // (tp * cp), cp=cp)
+        comms = comm_per_step(
+            LLAMA3_8B_128K, n, layout, Cluster(nodes=2), seq_len=131072, local_batch=1, accum=2
+        )
+        by = {c.dim: c for c in comms}
+        kv_dim = 1024 // tp  # TP splits the kv heads
+        expected = 2 * kv_all_gather_bytes(131072, 1, kv_dim, cp, 32, 2, recompute=False)
+        assert (by["cp"].bytes, by["cp"].link, by["cp"].exposed) == (expected, link, True)
+        # FSDP spans dp x cp: the weights are gathered over all of them
+        assert by["dp_shard_cp"].size == layout.dp * cp == 16 // tp
+
+
+def test_advise_search_with_cp_keeps_the_world_and_the_chunks():
+    """Every layout tried multiplies to the world size with its CP degree, uses CP degrees that
+    are powers of two splitting the sequence into 2 x cp chunks, and the FSDP states of a CP
+    layout are those of FSDP over dp x cp ranks."""
+    spec = get_model_spec("llama3")
+    work = Workload(LLAMA3_8B_128K, 8_030_261_248, 2.5e11, 131072, 32, spec.block_activation_bytes)
+    cluster = Cluster(nodes=1, memory_gib=141)
+    advice = advise(work, cluster)
+    assert all(c.layout.tp * c.layout.pp * c.layout.dp * c.layout.cp == 8 for c in advice.tried)
+    assert {c.layout.cp for c in advice.tried} == {1, 2, 4, 8}
+    assert all(c.layout.cp * c.layout.tp <= 8 for c in advice.tried)
+    odd = dataclasses.replace(work, seq_len=131072 + 8)  # 2 x 8 chunks do not divide it
+    assert {c.layout.cp for c in advise(odd, cluster).tried} == {1, 2, 4}
+    best = advice.best
+    assert best is not None and best.layout.cp > 1 and fits(best, cluster)
+    assert not any(fits(c, cluster) for c in advice.tried if c.layout.cp == 1 and c.layout.tp == 1)
+    # the search's states are FSDP's over dp x cp: CP 4 x FSDP 2 differs from FSDP 8 alone by
+    # the activations only
+    block, n = spec.block_activation_bytes, 8_030_261_248
+    split, alone = Layout(1, 1, 2, ac="full", cp=4), Layout(1, 1, 8, ac="full")
+    mem = [analytic_memory(LLAMA3_8B_128K, n, x, 131072, 1, 128256, block) for x in (split, alone)]
+    act = [
+        analytic_activations(LLAMA3_8B_128K, x, 131072, 1, 128256, block) for x in (split, alone)
+    ]
+    assert mem[0] - mem[1] == pytest.approx(act[0] - act[1], abs=2)
+
+
+def test_advise_proposes_cp_for_llama3_8b_at_128k_on_8_gpus():
+    """Llama 3 8B at 128K on one node of 8 GPUs of 141 GB (131 GiB): CP > 1, and why: CP 1 does
+    not fit, CP's K/V traffic against TP's at the same degree, the other CP degrees."""
+    cli = _script()
+    out = io.StringIO()
+    args = ["--advise", "--config", "llama3_8b", "--training.seq_len", "131072"]
+    with contextlib.redirect_stdout(out):
+        assert cli.main([*args, "--nodes", "1", "--device-memory-gib", "131"]) == 0
+    text = out.getvalue()
+    found = re.search(r"Proposed: TP (\d+) x PP (\d+) x CP (\d+) x FSDP (\d+)", text)
+    assert found, text
+    tp, pp, cp, dp = map(int, found.groups())
+    assert cp > 1 and tp * pp * cp * dp == 8
+    assert f"- CP {cp}: each rank holds {131072 // cp:,} of every sequence's 131,072" in text
+    assert f"- CP 1 at TP {tp} x PP {pp}: does not fit" in text
+    assert f"- CP {cp} instead of TP {tp * cp}: CP sends" in text
+    assert f"cp ({cp} ranks over NVLink)" in text
+    checked = text.split("Checked with the real parallelize functions")[1]
+    assert f"tp={tp} ep=1 cp={cp}" in checked and " fits" in checked
+    assert f"s=131072/cp {cp} = {131072 // cp}" in checked
+
+
+@pytest.mark.parametrize("world,tp,cp", [(4, 1, 2), (4, 1, 4), (8, 2, 2)])
+def test_cp_states_are_sharded_over_dp_shard_x_cp(world, tp, cp):
+    """The real parallelize functions (FSDP over "dp_shard_cp"): a CP layout holds the same
+    parameter, gradient and AdamW bytes as FSDP alone over its dp_shard x cp ranks, and the
+    world is pp x dp_replicate x dp_shard x cp x tp."""
+    spec = get_model_spec("llama3")
+    cfg = _cfg(f"--parallelism.tensor_parallel_degree {tp}")
+    base = simulate(spec, _args(cfg), cfg, world, device_type="cpu", ranks=[0]).ranks[0]
+    cfg = _cfg(
+        f"--parallelism.tensor_parallel_degree {tp} --parallelism.context_parallel_degree {cp}"
+    )
+    plan = simulate(spec, _args(cfg), cfg, world, device_type="cpu", ranks=[0])
+    assert plan.dims.dp_shard * plan.dims.cp * plan.dims.tp == world
+    assert plan.dims.dp_shard == world // (tp * cp)
+    rank = plan.ranks[0]
+    assert (rank.params, rank.grads, rank.optimizer) == (base.params, base.grads, base.optimizer)
+    n = 647_488  # the tiny model's parameters
+    if tp == 1:  # fp32 on CPU, 1/world of every parameter
+        assert rank.params == 4 * n // world
+
+
+def test_document_mask_adds_its_mask_without_cp():
+    """Document masking passes a [b, 1, s, s] mask to every layer at CP 1 too: its bf16 copy
+    per layer and the boolean mask once; no gathered K/V."""
+    plain, masked = _cp_activations(1), _cp_activations(1, extra="--training.document_mask")
+    a = attention_bytes(LLAMA3_8B_128K, 131072, 1, 1, 1, document_mask=True)
+    assert (a.kv, a.mask, a.mask_input, a.transient) == (0, 32 << 30, 16 << 30, 0)
+    assert masked.total == plain.total + 32 * a.mask + a.mask_input
+
+
+def test_cp_attention_terms_equal_what_autograd_saves_on_cpu():
+    """One bf16 Llama block on CP rank 0 of 4, 256 of 1024 tokens, through the real CP
+    attention (`apply_context_parallel`: K/V all-gathered over a fake 4-rank group, which
+    gives the gathered sizes) with the rank's positions and mask from `sequence_inputs`. What
+    autograd saves beyond the same block on 256 tokens alone is exactly `attention_bytes`'
+    per-layer terms: the full-length K and V at all heads instead of the local ones, and
+    SDPA's bf16 copy of the [256 x 1024] mask."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from parallelisms.context_parallel import SequenceSplit, apply_context_parallel, sequence_inputs
+
+    s, cp, b = 1024, 4, 1
+    local = s // cp
+    args = build_model_args("llama3", "debugmodel", s, None, {"dim": 256, "n_heads": 8})
+    model = get_model_spec("llama3").model_cls(args).to(torch.bfloat16)
+    model.init_buffers("cpu")
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    skip.add(model.rope.untyped_storage().data_ptr())
+    x = torch.randn(b, local, args.dim, dtype=torch.bfloat16, requires_grad=True)
+    alone = _saved_bytes(model.layers["0"], x, skip, model.rope)
+    tokens = torch.zeros(b, s, dtype=torch.long)
+    _, _, inputs = sequence_inputs(SequenceSplit(0, cp), tokens, tokens)
+    rope, mask = model.rope[inputs["positions"]], inputs["attention_mask"]
+    skip |= {rope.untyped_storage().data_ptr(), mask.untyped_storage().data_ptr()}
+    with fake_world(cp):
+        assert apply_context_parallel(model, init_device_mesh("cpu", (cp,))) == args.n_layers
+        with_cp = _saved_bytes(model.layers["0"], x, skip, rope, mask)
+    c = attention_bytes(args, s, b, 1, cp)
+    assert mask.shape == (b, 1, local, s) and mask.dtype == torch.bool
+    assert c.kv == 2 * (s - local) * 256 * 2 and c.mask == local * s * 2
+    assert with_cp - alone == c.kv + c.mask
