@@ -460,14 +460,22 @@ def _cp_reasons(advice: Advice, cluster: Cluster, work: Workload) -> list[str]:
             if others
             else []
         )
-    ctx = attention_bytes(work.model_args, s, advice.best.micro_batch, lay.tp, lay.cp)
+    ctx = attention_bytes(
+        work.model_args,
+        s,
+        advice.best.micro_batch,
+        lay.tp,
+        lay.cp,
+        document_mask=work.document_mask,
+    )
+    mask = f" and the mask's copy ({ctx.mask / GIB:.2f} GiB)" if ctx.mask else ""
     lines = [
         f"- CP {lay.cp}: each rank holds {s // lay.cp:,} of every sequence's {s:,} tokens (2 x "
         f"{lay.cp} chunks, 2 per rank, for an even share of causal attention), so the "
         f"activations per rank fall by {lay.cp}x, except what attention keeps over all {s:,} keys "
         f"per layer: the gathered K and V at all heads ({ctx.kv / GIB:.2f} GiB more than the "
-        f"local share) and the mask's copy ({ctx.mask / GIB:.2f} GiB); weights, gradients and "
-        f"AdamW are sharded over FSDP x CP = {lay.fsdp} ranks."
+        f"local share){mask}; weights, gradients and AdamW are sharded over FSDP x CP = "
+        f"{lay.fsdp} ranks."
     ]
     at_one = [c for c in same if c.layout.cp == 1]
     if at_one and not any(fits(c, cluster) for c in at_one):

@@ -62,7 +62,7 @@ def in_flight_microbatches(schedule: str, pp: int, pp_rank: int, n_micro: int) -
 @dataclass(frozen=True)
 class AttentionBytes:
     """What attention adds on one rank beyond the family's causal count at its tokens (bytes):
-    CP's gathered keys and, under CP or document masking, the explicit mask (zeros without).
+    CP's gathered keys and, under document masking, the explicit mask (zeros without).
 
     kv:         per layer, saved: SDPA keeps the gathered K and V repeated to the query heads,
                 [b, n_heads/t, s, head_dim] each, of which the family's count at s/cp tokens
@@ -89,9 +89,11 @@ def attention_bytes(
 ) -> AttentionBytes:
     """`AttentionBytes` of `s`-token sequences (`b` per micro-batch) split over `cp`
     ranks, TP degree `tp`, `elem`-byte activations; reads n_heads, kv_heads and head_dim.
-    Without CP only a document mask ([b, 1, s, s]) adds anything."""
+    The mask exists with document masking only: plain CP attends chunk by chunk with torch's
+    lower-right causal bias, which CUDA's fused kernels apply without a mask (on CPU, SDPA
+    builds one per chunk; not counted). Without CP only a document mask adds anything."""
     local = s // cp
-    mask = float(b) * local * s if cp > 1 or document_mask else 0.0
+    mask = float(b) * local * s if document_mask else 0.0
     if cp <= 1:
         return AttentionBytes(mask=mask * elem, mask_input=mask)
     q_dim = model_args.n_heads * model_args.head_dim / tp

@@ -503,13 +503,16 @@ def _cp_activations(cp: int, ac: str = "none", extra: str = ""):
 
 def test_cp_terms_by_hand_for_llama3_8b_at_128k():
     """Per layer a CP 2 rank adds the gathered K and V repeated to the 32 query heads beyond
-    its own half (2 x 65,536 x 4096 x 2 B) and SDPA's bf16 copy of the [65,536 x 131,072]
-    mask; once per micro-batch the boolean mask; one layer's K/V gradients at 128K tokens."""
-    c = attention_bytes(LLAMA3_8B_128K, 131072, 1, 1, 2)
+    its own half (2 x 65,536 x 4096 x 2 B); with document masking SDPA's bf16 copy of the
+    [65,536 x 131,072] mask, and once per micro-batch the boolean mask (plain CP is causal
+    chunk by chunk, no mask); one layer's K/V gradients at 128K tokens."""
+    plain = attention_bytes(LLAMA3_8B_128K, 131072, 1, 1, 2)
+    assert (plain.kv, plain.mask, plain.mask_input) == (1 << 30, 0, 0)
+    c = attention_bytes(LLAMA3_8B_128K, 131072, 1, 1, 2, document_mask=True)
     assert (c.kv, c.mask, c.mask_input) == (1 << 30, 16 << 30, 8 << 30)
-    assert c.transient == 2 * 131072 * (4096 + 1024) * 2  # 2.5 GiB
+    assert c.transient == plain.transient == 2 * 131072 * (4096 + 1024) * 2  # 2.5 GiB
     assert attention_bytes(LLAMA3_8B_128K, 131072, 1, 1, 1).per_layer == 0
-    at_tp2 = attention_bytes(LLAMA3_8B_128K, 131072, 1, 2, 4)
+    at_tp2 = attention_bytes(LLAMA3_8B_128K, 131072, 1, 2, 4, document_mask=True)
     assert (at_tp2.kv, at_tp2.mask) == (2 * 98304 * 2048 * 2, 32768 * 131072 * 2)
 
 
@@ -638,10 +641,12 @@ def test_document_mask_adds_its_mask_without_cp():
 def test_cp_attention_terms_equal_what_autograd_saves_on_cpu():
     """One bf16 Llama block on CP rank 0 of 4, 256 of 1024 tokens, through the real CP
     attention (`apply_context_parallel`: K/V all-gathered over a fake 4-rank group, which
-    gives the gathered sizes) with the rank's positions and mask from `sequence_inputs`. What
-    autograd saves beyond the same block on 256 tokens alone is exactly `attention_bytes`'
-    per-layer terms: the full-length K and V at all heads instead of the local ones, and
-    SDPA's bf16 copy of the [256 x 1024] mask."""
+    gives the gathered sizes) with the rank's positions and document mask from
+    `sequence_inputs`. What autograd saves beyond the same block on 256 tokens alone is
+    exactly `attention_bytes`' per-layer terms: the full-length K and V at all heads instead
+    of the local ones, and SDPA's bf16 copy of the [256 x 1024] mask. (Plain CP builds no
+    such mask: on CUDA none at all; on CPU SDPA materialises the causal bias per chunk, not
+    counted.)"""
     from torch.distributed.device_mesh import init_device_mesh
 
     from parallelisms.context_parallel import SequenceSplit, apply_context_parallel, sequence_inputs
@@ -656,13 +661,14 @@ def test_cp_attention_terms_equal_what_autograd_saves_on_cpu():
     x = torch.randn(b, local, args.dim, dtype=torch.bfloat16, requires_grad=True)
     alone = _saved_bytes(model.layers["0"], x, skip, model.rope)
     tokens = torch.zeros(b, s, dtype=torch.long)
-    _, _, inputs = sequence_inputs(SequenceSplit(0, cp), tokens, tokens)
+    # document masking over one document (no end token): the causal mask, made explicit
+    _, _, inputs = sequence_inputs(SequenceSplit(0, cp, eos_id=1), tokens, tokens)
     rope, mask = model.rope[inputs["positions"]], inputs["attention_mask"]
     skip |= {rope.untyped_storage().data_ptr(), mask.untyped_storage().data_ptr()}
     with fake_world(cp):
         assert apply_context_parallel(model, init_device_mesh("cpu", (cp,))) == args.n_layers
         with_cp = _saved_bytes(model.layers["0"], x, skip, rope, mask)
-    c = attention_bytes(args, s, b, 1, cp)
+    c = attention_bytes(args, s, b, 1, cp, document_mask=True)
     assert mask.shape == (b, 1, local, s) and mask.dtype == torch.bool
     assert c.kv == 2 * (s - local) * 256 * 2 and c.mask == local * s * 2
     assert with_cp - alone == c.kv + c.mask
