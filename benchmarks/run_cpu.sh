@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CPU benchmark set behind README's Performance section (about an hour on 2 cores).
 #   benchmarks/run_cpu.sh [part ...]
-# parts (default: all): debug m50 m50_bf16 dp dp4 memory breakdown memory_bf16 layouts moe
+# parts (default: all): debug m50 m50_bf16 dp dp4 memory breakdown memory_bf16 layouts moe cp
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -51,12 +51,32 @@ breakdown() {  # output folder, precision words, extra overrides
     done; } > "$out.tmp" && mv "$out.tmp" "$out" && cat "$out"
 }
 
+# context parallelism where activations dominate: 4 layers of dim 256 on 4,096-token sequences
+# (0.6M block parameters), bf16 compute (the estimator counts 16-bit activations); 4 ranks at
+# CP 1 (FSDP 4), CP 2 x FSDP 2 and CP 4: the weights are sharded over 4 ranks in all three
+CP_SHAPE=(--model.dim 256 --model.n_layers 4 --model.n_heads 4 --model.n_kv_heads 2
+          --training.seq_len 4096 --training.local_batch_size 1 "${BF16[@]}")
+cp_memory() {  # output folder
+  local out=$1/breakdown.md cp; mkdir -p "$1"
+  { echo "# Live-tensor peak per rank by kind at CP 1 / 2 / 4, 4 ranks, bf16 compute"; echo
+    echo "- date: $(date -u '+%Y-%m-%d %H:%M UTC')"
+    echo "- machine: $(uname -srm), $(nproc) cores; torch $("$PY" -c 'import torch; print(torch.__version__)')"
+    echo "- command: \`torchrun --standalone --nproc_per_node 4 scripts/memory_breakdown.py ${CP_SHAPE[*]} --parallelism.context_parallel_degree C\`"
+    echo
+    for cp in 1 2 4; do
+      "$PY" -m torch.distributed.run --standalone --nproc_per_node 4 scripts/memory_breakdown.py \
+        "${CP_SHAPE[@]}" --parallelism.context_parallel_degree $cp \
+        --output "$1/cp$cp.json" 2>/dev/null; echo
+    done; } > "$out.tmp" && mv "$out.tmp" "$out" && cat "$out"
+}
+
 # the MoE debug flavor (8 experts, top-2) at its own width, EP 1 (FSDP 2) vs EP 2
 MOE=(--model.name qwen3_moe --model.flavor debugmodel)
 
-for part in "${@:-debug m50 m50_bf16 dp dp4 memory breakdown memory_bf16 layouts moe}"; do
+for part in "${@:-debug m50 m50_bf16 dp dp4 memory breakdown memory_bf16 layouts moe cp}"; do
   for p in $part; do
     case $p in
+      cp) cp_memory benchmarks/cpu_cp_memory ;;
       moe) "$PY" scripts/bench.py --rows zero3_2,ep2_2 --baseline zero3_2 --repeats 3 --steps 10 \
                --warmup 3 "${MOE[@]}" --output benchmarks/cpu_moe_ep2 \
                --title "Qwen3-MoE debug model, EP 1 (FSDP 2) vs EP 2, 2 ranks" ;;

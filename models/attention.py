@@ -11,9 +11,9 @@ gets context parallelism and document masking without code of its own.
 The mask: None is plain causal attention over the rank's whole sequence (`is_causal=True`,
 SDPA's fused causal kernels). Otherwise a boolean [batch, 1, queries, keys] tensor (True =
 visible), built once per micro-batch by the trainer (`parallelisms.context_parallel.
-sequence_inputs`) and shared by every layer: document-causal masks, and under CP the mask
-between the rank's queries and the gathered keys. SDPA takes it on CPU (math/flash kernels)
-and CUDA (memory-efficient kernel).
+sequence_inputs`) and shared by every layer: the document-causal mask (under CP, between the
+rank's queries and the gathered keys). SDPA takes it on CPU (math/flash kernels) and CUDA
+(memory-efficient kernel).
 """
 
 from __future__ import annotations

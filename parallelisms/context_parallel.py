@@ -12,11 +12,12 @@ Attention (`ContextParallelAttention`, swapped in for the shared attention core 
 models/attention.py): K and V are all-gathered over "cp" in every layer, before they are
 repeated to the query heads (under grouped-query attention they are n_heads / n_kv_heads times
 smaller than the queries), and their gradients reduce-scattered back by the all-gather's
-backward (functional collectives, so it also runs inside compiled blocks). The mask between the
-rank's queries and the gathered keys follows the positions (causal) and, with
-`training.document_mask`, the documents; `sequence_inputs` builds it once per micro-batch.
-This is the all-gather K/V design Llama 3 describes; the gathered K/V of one layer live only
-until its backward (or are recomputed with activation checkpointing).
+backward (functional collectives, so it also runs inside compiled blocks). Causal attention
+needs no mask: each of the rank's chunks attends to the keys up to its end (`causal_chunks`).
+With `training.document_mask`, `sequence_inputs` builds the mask between the rank's queries
+and the gathered keys (causal in positions, within documents) once per micro-batch. This is
+the all-gather K/V design Llama 3 describes; the gathered K/V of one layer live only until
+its backward (or are recomputed with activation checkpointing).
 
 Everything else composes through the mesh: the CP ranks of a replica read the same sequences
 (they share one data-parallel coordinate), the weights are identical on them and FSDP shards
@@ -34,6 +35,7 @@ from torch import nn
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import causal_lower_right
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from models.attention import ScaledDotProductAttention, attend
 
@@ -179,9 +181,11 @@ def causal_chunks(
 
 def _lower_right_causal(queries: int, keys: int, device: torch.device):
     """Query i of the last `queries` positions sees keys 0..keys-queries+i. Eager: torch's
-    causal bias, which CUDA's fused kernels apply without building a mask. Compiled blocks get
-    the [queries, keys] boolean mask (dynamo cannot build the bias), shared by the batch."""
-    if torch.compiler.is_compiling():
+    causal bias, which CUDA's fused kernels apply without building a mask (CPU SDPA builds
+    it). Compiled blocks, and runs under a dispatch mode (memory tracker, FLOP counter), get
+    the [queries, keys] boolean mask, shared by the batch: neither can create the bias's
+    tensor subclass."""
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
         full = torch.ones(queries, keys, dtype=torch.bool, device=device)
         return full.tril(diagonal=keys - queries)
     return causal_lower_right(queries, keys)

@@ -124,6 +124,21 @@ def training_step(cfg, dims, device):
     return step, parts, optimizer
 
 
+def estimated_activations(cfg, world_size: int) -> int:
+    """The estimator's activation bytes for rank 0 of this layout (`planning.memory`: 16-bit
+    activations, fused attention), to set beside the measured ones."""
+    from models import get_model_spec, model_args_for
+    from planning.memory import rank_activations
+    from train import check_config
+    from training.trainer import load_tokenizer
+
+    dims = check_config(cfg, world_size)
+    args = model_args_for(cfg.model, cfg.training.seq_len, load_tokenizer(cfg).vocab_size)
+    spec = get_model_spec(cfg.model.name)
+    act = rank_activations(cfg, args, dims, 0, args.n_layers, True, spec.block_activation_bytes)
+    return int(act.total)
+
+
 def format_table(per_rank: list[dict], title: str) -> str:
     kinds = list(dict.fromkeys(k for r in per_rank for k in r["kinds"] if k != "Total"))
     head = ["rank", *kinds, "Total"]
@@ -161,8 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         layout = f"{world_size} rank(s), zero_stage {cfg.parallelism.zero_stage}"
         print(format_table(per_rank, f"memory breakdown: {layout}, {' '.join(extra)}"))
+        estimate = estimated_activations(cfg, world_size)
+        print(f"estimated activations of rank 0 (planning.memory): {estimate / MIB:,.1f} MiB")
         if ns.output:
             record = {"argv": ["--config", ns.config, *extra], "world_size": world_size}
+            record["estimated_activations"] = estimate
             Path(ns.output).write_text(json.dumps({**record, "ranks": per_rank}, indent=1))
     return 0
 
