@@ -263,8 +263,8 @@ MUTANTS = [
         "cp_local_rope_positions",
         "CP: RoPE uses each rank's local positions 0..seq/cp-1 instead of its tokens' global ones",
         "parallelisms/context_parallel.py",
-        '"positions": mine.expand(batch, -1),',
-        '"positions": torch.arange(len(mine), device=inputs.device).expand(batch, -1),',
+        'kwargs = {"positions": mine.expand(batch, -1)}',
+        'kwargs = {"positions": torch.arange(len(mine), device=inputs.device).expand(batch, -1)}',
         (
             f"{CP_UNIT}::test_cp_shard_mask_is_the_full_mask_between_its_queries_and_the_gathered_keys",
             f"{CP_PARITY}[llama_cp2]",
