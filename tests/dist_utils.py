@@ -4,7 +4,10 @@ Runs use gloo on CPU; `launch_many` starts several at once (bounded), since most
 run's wall time is process start-up, not compute. It forks each run's ranks from one warm
 process that has imported torch and the trainer already (`tests/fork_launcher.py`: the
 environment torchrun gives its workers, torchrun's exit status); MESHTRAIN_TEST_TORCHRUN=1
-launches every run with torchrun itself instead, as `Run.command` prints.
+launches every run with torchrun itself instead, as `Run.command` prints. A forked run whose
+first failing rank was killed by a signal (a native crash in gloo or the runtime, never a
+Python error, a wrong number or a hang) is relaunched once in a fresh folder, its first log
+kept beside it, and `Run.output` starts with a line saying so.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class Run:
     returncode: int | None = None
     output: str = ""
     seconds: float = 0.0
+    relaunched: str = ""  # why the run was launched a second time (a crashed rank), if it was
 
     def command(self) -> list[str]:
         cmd = [sys.executable]
@@ -87,8 +91,12 @@ class _ForkedRun:
         request = {"argv": argv, "nproc": run.nproc, "env": run.env, "log": str(log_path)}
         launcher.stdin.write(json.dumps(request) + "\n")
         launcher.stdin.flush()
-        self.pid = int(launcher.stdout.readline())
+        answer = launcher.stdout.readline()
+        if not answer:
+            raise RuntimeError(f"tests/fork_launcher.py died (exit status {launcher.wait()})")
+        self.pid = int(answer)
         self.returncode: int | None = None
+        self.crashed = ""  # "rank R died of signal S" when a rank crashed first
 
     @classmethod
     def _start_launcher(cls) -> subprocess.Popen:
@@ -107,7 +115,10 @@ class _ForkedRun:
 
     def poll(self) -> int | None:
         if self.returncode is None and self.rc_path.exists():
-            self.returncode = int(self.rc_path.read_text())
+            fields = self.rc_path.read_text().split()
+            self.returncode = int(fields[0])
+            if fields[1:2] == ["crash"]:
+                self.crashed = f"rank {fields[2]} died of signal {fields[3]}"
         return self.returncode
 
     def kill(self) -> None:
@@ -159,11 +170,21 @@ def launch_many(runs: list[Run], parallel: int = 2, timeout: float = 600) -> dic
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-            run.returncode, run.seconds = proc.returncode, time.monotonic() - started
             log.seek(0)
-            run.output = log.read()[-20000:]
+            output = log.read()[-20000:]
             log.close()
             active.remove(item)
+            if getattr(proc, "crashed", "") and not run.relaunched:
+                aside = run.folder.with_name(run.folder.name + ".crashed")
+                os.replace(run.folder.with_suffix(".log"), f"{aside}.log")
+                if run.folder.exists():
+                    os.replace(run.folder, aside)
+                run.relaunched = f"{proc.crashed}: relaunched once (first attempt: {aside})"
+                pending.insert(0, run)
+                continue
+            run.returncode, run.seconds = proc.returncode, time.monotonic() - started
+            note = f"launch_many: {run.name}: {run.relaunched}\n" if run.relaunched else ""
+            run.output = note + output
             done.add(run.name)
     return {r.name: r for r in runs}
 

@@ -9,7 +9,9 @@ supervisor (answering its pid on stdout), which forks the ranks with the environ
 gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...), each running
 `train.main(argv)` with stdout and stderr in the run's log, and writes the run's exit status to
 `<log>.rc` when all are done: torchrun's status (0, or 1 if any rank failed, the other ranks
-then stopped as torchrun stops them) or, for one process, `python train.py`'s own.
+then stopped as torchrun stops them) or, for one process, `python train.py`'s own; followed by
+"crash RANK SIGNAL" when the first rank to fail was killed by a signal (a native crash, not a
+Python error: `launch_many` relaunches such a run once).
 
 What a fork keeps: only imported modules; the parent runs no torch operation and starts no
 thread (checked), so each rank initialises its process group, thread pools and RNGs itself
@@ -19,6 +21,7 @@ handling) are launched by their tests with torchrun itself.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -56,6 +59,7 @@ def _rank(argv: list[str], env: dict[str, str], log: int) -> None:
     os.dup2(log, 1)
     os.dup2(log, 2)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    faulthandler.enable()  # a crash in C++ code still leaves the Python stack in the log
     sys.argv = ["train.py", *argv]
     code = 1
     try:
@@ -92,7 +96,7 @@ def _supervise(request: dict) -> None:
         if pid == 0:
             _rank(request["argv"], env, log)
         pids[pid] = rank
-    codes, failed_at = {}, None
+    codes, failed_at, crash = {}, None, ""
     while len(codes) < nproc:
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
@@ -102,8 +106,13 @@ def _supervise(request: dict) -> None:
             time.sleep(0.05)
             continue
         codes[pid] = os.waitstatus_to_exitcode(status)
+        if codes[pid] != 0:  # as torchrun reports a failed worker
+            how = f"signal {-codes[pid]}" if codes[pid] < 0 else f"exit code {codes[pid]}"
+            os.write(log, f"fork_launcher: rank {pids[pid]} ended with {how}\n".encode())
         if codes[pid] != 0 and failed_at is None:
             failed_at = time.monotonic()
+            if codes[pid] < 0:  # the first rank to fail was killed by a signal: a crash
+                crash = f" crash {pids[pid]} {-codes[pid]}"
             for other in set(pids) - set(codes):  # torchrun stops the others too
                 os.kill(other, signal.SIGTERM)
     if nproc == 1:
@@ -112,7 +121,7 @@ def _supervise(request: dict) -> None:
         rc = 0 if all(c == 0 for c in codes.values()) else 1
     tmp = log_path + ".rc.tmp"
     with open(tmp, "w") as f:
-        f.write(str(rc))
+        f.write(f"{rc}{crash}")
     os.replace(tmp, log_path + ".rc")
     os._exit(0)
 
