@@ -165,18 +165,25 @@ def causal_chunks(
     [batch, heads, 2 x chunk, head_dim]) over the gathered keys and values (rank-major, KV
     heads): the keys put back in position order, each chunk attends to the keys before it
     and, causally, to its own."""
-    seq = k.shape[2]
-    order = torch.argsort(gathered_positions(seq, cp)).to(k.device)
-    k, v = k.index_select(2, order), v.index_select(2, order)
+    chunk = k.shape[2] // (2 * cp)
+    k, v = _in_position_order(k, cp, chunk), _in_position_order(v, cp, chunk)
     n_rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-    chunk = seq // (2 * cp)
     outs = []
     for q_chunk, index in zip(q.split(chunk, dim=2), (cp_rank, 2 * cp - 1 - cp_rank)):
         end = (index + 1) * chunk
         outs.append(F.scaled_dot_product_attention(q_chunk, k[:, :, :end], v[:, :, :end],
                                                    _lower_right_causal(chunk, end, q.device)))  # fmt: skip
     return torch.cat(outs, dim=2)
+
+
+def _in_position_order(x: torch.Tensor, cp: int, chunk: int) -> torch.Tensor:
+    """[batch, heads, seq, dim] gathered rank-major (rank r's chunks r and 2cp-1-r) -> in
+    position order: the ranks' first chunks in rank order, then their second chunks in
+    reverse rank order (views and one copy, no index tensor)."""
+    by_rank = x.unflatten(2, (cp, 2, chunk))  # [batch, heads, rank, first/second, chunk, dim]
+    ordered = torch.cat([by_rank[:, :, :, 0], by_rank[:, :, :, 1].flip(2)], dim=2)
+    return ordered.flatten(2, 3)
 
 
 def _lower_right_causal(queries: int, keys: int, device: torch.device):

@@ -272,12 +272,21 @@ MUTANTS = [
     ),
     Mutant(
         "cp_mask_off_by_one_chunk",
-        "CP: the causal mask takes the gathered keys' positions shifted by one chunk",
+        "CP: causal attention lets each chunk see the next chunk too (its mask one chunk late)",
+        "parallelisms/context_parallel.py",
+        "end = (index + 1) * chunk",
+        "end = min(index + 2, 2 * cp) * chunk",
+        (f"{CP_PARITY}[llama_cp2]",),
+    ),
+    Mutant(
+        "cp_document_mask_keys_shifted",
+        "CP with document masking: the mask takes the gathered keys' positions shifted by one "
+        "chunk",
         "parallelisms/context_parallel.py",
         "return torch.cat([local_positions(seq_len, r, cp) for r in range(cp)])",
         "return torch.cat([local_positions(seq_len, r, cp) for r in range(cp)]).roll(\n"
         "        seq_len // (2 * cp)\n    )",
-        (f"{CP_PARITY}[llama_cp2]",),
+        (f"{CP_PARITY}[llama_cp2_doc]",),
     ),
     Mutant(
         "cp_grads_averaged_per_cp_rank",
