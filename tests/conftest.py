@@ -25,6 +25,7 @@ import os
 from pathlib import Path
 
 import pytest
+from dist_utils import SELECTED_ITEMS
 
 os.environ["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
 
@@ -59,6 +60,11 @@ def skip_allowed_in_ci(nodeid: str) -> bool:
     if any(_covers(path, nodeid) for path in CI_NEVER_SKIP):
         return False
     return any(_covers(key, nodeid) for key in CI_ALLOWED_SKIPS)
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    setattr(config, SELECTED_ITEMS, list(items))
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -25,6 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# the test items pytest will run, after -k/-m deselection (tests/conftest.py stores them), so a
+# module's fixture launches only the runs its selected tests need
+SELECTED_ITEMS = "meshtrain_selected_items"
 TINY_CONFIG = ROOT / "tests" / "tiny_model.toml"
 # tiny_model.toml's shape as overrides of any config (debug_model, say): ~0.65M parameters
 TINY_SHAPE = [

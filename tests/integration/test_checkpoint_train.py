@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import TINY_SHAPE, Run, launch_many
+from dist_utils import SELECTED_ITEMS, TINY_SHAPE, Run, launch_many
 from parity import EXACT, FP32, assert_layout, assert_parity
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -154,7 +154,7 @@ def dcp_values(ckpt: Path, keys: dict) -> dict:
 def _wanted(request) -> set[str]:
     """The runs the selected tests of this module need (`-k` launches only those)."""
     want = set()
-    for item in request.session.items:
+    for item in getattr(request.config, SELECTED_ITEMS):
         if item.module is not request.module:
             continue
         params = item.callspec.params if hasattr(item, "callspec") else {}
