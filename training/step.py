@@ -65,13 +65,12 @@ def pipeline_call(setup: StepSetup, inputs: torch.Tensor, labels: torch.Tensor):
     )
 
 
-def train_step(setup: StepSetup, microbatches: list[tuple]):
-    """Forward and backward over every micro-step, each (inputs, labels) or (inputs, labels,
-    model keyword arguments) as `sequence_inputs` gives them; returns this rank's mean loss (a
-    tensor, zero on pipeline stages that do not compute the loss). No host sync happens here."""
+def train_step(setup: StepSetup, microbatches: list[tuple[torch.Tensor, torch.Tensor, dict]]):
+    """Forward and backward over every micro-step, each (inputs, labels, model keyword
+    arguments) as `sequence_inputs` gives them; returns this rank's mean loss (a tensor, zero
+    on pipeline stages that do not compute the loss). No host sync happens here."""
     total = torch.zeros((), device=microbatches[0][0].device)
-    for i, (inputs, labels, *more) in enumerate(microbatches):
-        kwargs = more[0] if more else {}
+    for i, (inputs, labels, kwargs) in enumerate(microbatches):
         _set_grad_sync(setup.model_parts, i == len(microbatches) - 1)
         with setup.loss_context():
             if setup.pp_schedule is None:

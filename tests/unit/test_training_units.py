@@ -111,7 +111,7 @@ def _run_steps(batch_split, steps=3):
     )
     losses = []
     for s in range(steps):
-        micro = [(c[:, :-1], c[:, 1:]) for c in data[s].split(batch_split)]
+        micro = [(c[:, :-1], c[:, 1:], {}) for c in data[s].split(batch_split)]
         losses.append(train_step(setup, micro).item())
         clip_grad_norm_(list(m.parameters()), 1.0)
         opt.step()
@@ -167,7 +167,7 @@ def test_autocast_covers_forward_and_loss_but_not_backward():
     model.output.register_forward_hook(watch)
     setup = StepSetup([model], cross_entropy_sum, 16, loss_context=loss_context, autocast=autocast)
     x = torch.randint(0, 64, (2, 8))
-    train_step(setup, [(x, x)])
+    train_step(setup, [(x, x, {})])
     assert seen == {"logits": torch.bfloat16, "backward": False}
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
 
