@@ -45,17 +45,17 @@ _all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or (
 )
 
 
-def local_positions(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:
+def local_positions(seq_len: int, cp_rank: int, cp: int, device=None) -> torch.Tensor:
     """The positions CP rank `cp_rank` holds: chunks cp_rank and 2cp-1-cp_rank of 2cp."""
     chunk = seq_len // (2 * cp)
-    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
-    last = torch.arange((2 * cp - 1 - cp_rank) * chunk, (2 * cp - cp_rank) * chunk)
+    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
+    last = torch.arange((2 * cp - 1 - cp_rank) * chunk, (2 * cp - cp_rank) * chunk, device=device)
     return torch.cat([first, last])
 
 
-def gathered_positions(seq_len: int, cp: int) -> torch.Tensor:
+def gathered_positions(seq_len: int, cp: int, device=None) -> torch.Tensor:
     """Positions of the keys after the all-gather over "cp": rank 0's tokens, rank 1's, ..."""
-    return torch.cat([local_positions(seq_len, r, cp) for r in range(cp)])
+    return torch.cat([local_positions(seq_len, r, cp, device) for r in range(cp)])
 
 
 def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -94,13 +94,6 @@ class SequenceSplit:
         """No CP and no document mask: the model's default causal attention."""
         return self.cp == 1 and self.eos_id is None
 
-    def check(self, seq_len: int) -> None:
-        if seq_len % (2 * self.cp):
-            raise ValueError(
-                f"training.seq_len = {seq_len} must be a multiple of 2 x "
-                f"context_parallel_degree = {2 * self.cp} (each CP rank holds two chunks)."
-            )
-
 
 def sequence_inputs(
     split: SequenceSplit, inputs: torch.Tensor, labels: torch.Tensor
@@ -112,17 +105,19 @@ def sequence_inputs(
     (`ContextParallelAttention` is causal chunk by chunk)."""
     if split.plain:
         return inputs, labels, {}
-    batch, seq = inputs.shape
-    split.check(seq)
+    batch, seq = inputs.shape  # seq_len % (2 cp) == 0: checked with the config
     documents = None if split.eos_id is None else document_ids(inputs, split.eos_id)
-    if split.cp == 1:
+    if split.cp == 1:  # document masking alone
         positions = torch.arange(seq, device=inputs.device)
-        mask = attention_mask(positions, positions, documents, documents)
-        return inputs, labels, {"attention_mask": mask.expand(batch, -1, -1, -1)}
-    mine = local_positions(seq, split.cp_rank, split.cp).to(inputs.device)
+        return (
+            inputs,
+            labels,
+            {"attention_mask": attention_mask(positions, positions, documents, documents)},
+        )
+    mine = local_positions(seq, split.cp_rank, split.cp, inputs.device)
     kwargs = {"positions": mine.expand(batch, -1)}
     if documents is not None:
-        keys = gathered_positions(seq, split.cp).to(inputs.device)
+        keys = gathered_positions(seq, split.cp, inputs.device)
         mask = attention_mask(mine, keys, documents[:, mine], documents[:, keys])
         kwargs["attention_mask"] = mask
     return inputs[:, mine], labels[:, mine], kwargs

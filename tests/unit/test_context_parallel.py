@@ -95,11 +95,6 @@ def test_causal_chunks_equal_full_causal_attention_of_the_ranks_queries(cp):
         torch.testing.assert_close(got, want[:, :, mine], rtol=1e-5, atol=1e-6)
 
 
-def test_sequence_length_must_split_into_two_chunks_per_rank():
-    with pytest.raises(ValueError, match="multiple of 2 x context_parallel_degree = 8"):
-        sequence_inputs(SequenceSplit(0, 4), torch.zeros(1, 12, dtype=torch.long), None)
-
-
 def _tiny(family):
     if family == "llama":
         return Transformer(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
