@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from dist_utils import SELECTED_ITEMS, read_records
 
 from scripts.loss_compare import compare, read_metric
 
@@ -50,6 +51,19 @@ FP32 = Tolerance(loss=1e-5, grad_norm=1e-4, weights=2e-4, weights_norm=5e-5)
 # (max abs 1.3e-4) under TP 2 x FSDP 2, 1.1e-3 under FSDP 2 / ZeRO-1 / ZeRO-2, 2.9e-4 under
 # PP 2; norm-wise at most 1.4e-5, within FP32's 5e-5; loss 2.3e-7, grad norm 2.1e-5. Kept at 3x.
 QWEN3_FP32 = dataclasses.replace(FP32, weights=5e-3)
+# Qwen3-MoE (tests/integration/test_moe_parity.py, test_cp_parity.py). # Routing is discrete: a token whose top-2 choice is a near tie (the router starts near
+# uniform, std-0.02 weights) can pick another expert in another layout on a 1e-7 difference.
+# Measured (2026-12-01, 20 steps, lr 1e-3), without such a flip: loss 2.3e-7, grad norm
+# 1.4e-4 (PP 2 x EP 2; 1.7e-5 for the others), final weights 5.0e-3 element-wise (of the
+# tensor's largest value: a rare token's embedding row under PP 2 x EP 2, max abs 3.2e-4;
+# std-0.02 embeddings as Qwen3's; 1.3e-3 elsewhere), 3.2e-5 norm-wise.
+# One flip in the 20th step of EP 2 x FSDP 2 with the bias: loss 5.1e-6, grad norm 5.3e-5, the
+# layer's router 1.8e-4 norm-wise. Kept at about 4x / 2x / 4x / 5x that. The planted bugs of
+# scripts/mutation_check.py move the grad norm by 1e-3 or more from the first step.
+MOE_FP32 = dataclasses.replace(FP32, loss=2e-5, grad_norm=3e-4, weights=2e-2, weights_norm=1e-3)
+# relative, per step, on the loads and the aux loss: measured 2e-6 without a flip; one
+# token's choice moves the load of its two experts by 1/64 (256 tokens x 2 over 8 experts)
+ROUTER_TOL = 2e-2
 # Exact resume: the same layout continues bit for bit.
 EXACT = Tolerance(loss=0.0, grad_norm=0.0, weights=0.0, weights_norm=0.0)
 
@@ -119,7 +133,7 @@ def selected_runs(request, names, needs: dict, *depends: dict) -> set[str]:
     name a run in `names`, `needs[test name]`, and everything those depend on through the
     `depends` maps (run -> run it needs). So `pytest -k NAME` launches only what NAME needs."""
     want = set()
-    for item in request.session.items:
+    for item in getattr(request.config, SELECTED_ITEMS):
         if item.module is not request.module:
             continue
         callspec = getattr(item, "callspec", None)
@@ -257,3 +271,11 @@ def assert_layout(
         assert sorted(int(k) for k in r["context_parallel_blocks"]) == cp_blocks, f"{where}: CP"
     assert all_layers == {str(i) for i in range(want["n_layers"])}, sorted(all_layers)
     return got
+
+
+def assert_router_parity(ref, run, first: int = 1) -> None:
+    """The expert loads and the load-balancing loss of every step equal the reference's."""
+    for key in ("max_load", "min_load", "aux_loss", "bias_drift"):
+        want = {r["step"]: r[key] for r in read_records(ref, "router") if r["step"] >= first}
+        got = {r["step"]: r[key] for r in read_records(run, "router") if r["step"] >= first}
+        assert_series(want, got, f"router {key}", ROUTER_TOL)
