@@ -25,7 +25,6 @@ import os
 from pathlib import Path
 
 import pytest
-from dist_utils import SELECTED_ITEMS
 
 os.environ["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
 
@@ -64,7 +63,9 @@ def skip_allowed_in_ci(nodeid: str) -> bool:
 
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    setattr(config, SELECTED_ITEMS, list(items))
+    # read back through tests/dist_utils.SELECTED_ITEMS; spelled out here because this file is
+    # also copied alone into the inner pytest runs of tests/integration/test_slurm.py
+    config.meshtrain_selected_items = list(items)
 
 
 def pytest_configure(config: pytest.Config) -> None:
