@@ -283,8 +283,8 @@ MUTANTS = [
         "CP with document masking: the mask takes the gathered keys' positions shifted by one "
         "chunk",
         "parallelisms/context_parallel.py",
-        "return torch.cat([local_positions(seq_len, r, cp) for r in range(cp)])",
-        "return torch.cat([local_positions(seq_len, r, cp) for r in range(cp)]).roll(\n"
+        "return torch.cat([local_positions(seq_len, r, cp, device) for r in range(cp)])",
+        "return torch.cat([local_positions(seq_len, r, cp, device) for r in range(cp)]).roll(\n"
         "        seq_len // (2 * cp)\n    )",
         (f"{CP_PARITY}[llama_cp2_doc]",),
     ),
