@@ -72,14 +72,14 @@ def check_config(cfg: JobConfig, world_size: int) -> ParallelDims:
                 f"local_batch_size ({t.local_batch_size}) x data-parallel degree ({dims.dp}) = "
                 f"{per_micro}; the quotient is the number of gradient-accumulation steps."
             )
-        if t.enable_cpu_offload and not (dims.dp_shard * dims.cp > 1 and dims.zero_stage == 3):
+        if t.enable_cpu_offload and not (dims.data_parallel_enabled and dims.zero_stage == 3):
             problems.add(
-                "training.enable_cpu_offload = true needs FSDP: zero_stage = 3 and "
-                "data_parallel_shard_degree (x context_parallel_degree) > 1 (got zero_stage "
-                f"{dims.zero_stage}, data_parallel_shard_degree {dims.dp_shard})."
+                "training.enable_cpu_offload = true needs FSDP: zero_stage = 3 and a "
+                "data-parallel (x context_parallel) degree > 1 (got zero_stage "
+                f"{dims.zero_stage}, data-parallel degree {dims.dp * dims.cp})."
             )
         # CP ranks hold other tokens: their gradients are reduced and their weights sharded
-        check_layout_options(cfg, dims.dp_shard * dims.cp, dims.dp * dims.cp, problems)
+        check_layout_options(cfg, dims.dp * dims.cp, problems)
     if args is not None:
         spec = get_model_spec(cfg.model.name)
         for problem in spec.validate(cfg, args) if spec.validate else []:
