@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from checkpoint import CheckpointError
 from job_config import ConfigError, JobConfig, config_notes, config_to_toml, help_text, parse_args
@@ -22,13 +23,14 @@ from job_config.loader import Problems, check_layout_options, validate
 from models import get_model_spec, import_families, model_args_for
 from parallelisms.parallel_dims import ParallelDims, ParallelismError
 from parallelisms.pipeline import validate_pipeline_config
-from training.distributed import LaunchError, device_type, launch_env, pick_device
+from training.distributed import LaunchError, device_type, launch_env, pick_device, record_error
 
 logger = logging.getLogger("meshtrain")
 
 
 def setup_logging(dump_folder: str, rank: int) -> None:
-    """Rank 0 logs to the console; every rank logs to <dump_folder>/logs/rank_<r>.log."""
+    """Rank 0 logs to the console, the other ranks their errors (stderr); every rank logs to
+    <dump_folder>/logs/rank_<r>.log."""
     logger.setLevel(logging.INFO)
     logger.handlers.clear()
     logger.propagate = False
@@ -50,6 +52,13 @@ def setup_logging(dump_folder: str, rank: int) -> None:
         console = logging.StreamHandler(sys.stdout)
         console.setFormatter(fmt)
         logger.addHandler(console)
+    else:
+        # The other ranks' errors reach the console too: a rank that fails first is then
+        # seen with its own error, not only as its peers' "Connection closed by peer".
+        errors = logging.StreamHandler(sys.stderr)
+        errors.setLevel(logging.ERROR)
+        errors.setFormatter(fmt)
+        logger.addHandler(errors)
 
 
 def check_config(cfg: JobConfig, world_size: int) -> ParallelDims:
@@ -72,14 +81,14 @@ def check_config(cfg: JobConfig, world_size: int) -> ParallelDims:
                 f"local_batch_size ({t.local_batch_size}) x data-parallel degree ({dims.dp}) = "
                 f"{per_micro}; the quotient is the number of gradient-accumulation steps."
             )
-        if t.enable_cpu_offload and not (dims.dp_shard * dims.cp > 1 and dims.zero_stage == 3):
+        if t.enable_cpu_offload and not (dims.data_parallel_enabled and dims.zero_stage == 3):
             problems.add(
-                "training.enable_cpu_offload = true needs FSDP: zero_stage = 3 and "
-                "data_parallel_shard_degree (x context_parallel_degree) > 1 (got zero_stage "
-                f"{dims.zero_stage}, data_parallel_shard_degree {dims.dp_shard})."
+                "training.enable_cpu_offload = true needs FSDP: zero_stage = 3 and a "
+                "data-parallel (x context_parallel) degree > 1 (got zero_stage "
+                f"{dims.zero_stage}, data-parallel degree {dims.dp * dims.cp})."
             )
         # CP ranks hold other tokens: their gradients are reduced and their weights sharded
-        check_layout_options(cfg, dims.dp_shard * dims.cp, dims.dp * dims.cp, problems)
+        check_layout_options(cfg, dims.dp * dims.cp, problems)
     if args is not None:
         spec = get_model_spec(cfg.model.name)
         for problem in spec.validate(cfg, args) if spec.validate else []:
@@ -97,6 +106,8 @@ def check_config(cfg: JobConfig, world_size: int) -> ParallelDims:
             args.n_layers,
             compile_model=cfg.compile.enable and "model" in cfg.compile.components,
             device_type=device_type(t.device),
+            per_op_ac=cfg.activation_checkpoint.mode == "selective"
+            and cfg.activation_checkpoint.selective_ac_option == "op",
         )
     problems.raise_any()
     return dims
@@ -262,9 +273,11 @@ def run_job(launch: Launch) -> int:
         )
     except (NonFiniteError, CheckpointError) as e:
         logger.error("%s", e)
+        record_error(e)
         return 1
     except StepError as e:
         logger.error("%s", e, exc_info=e.__cause__)
+        record_error(e)
         return 1
     except KeyboardInterrupt:
         logger.info("interrupted")
@@ -278,6 +291,7 @@ def run_job(launch: Launch) -> int:
     return 0
 
 
+@record  # an uncaught exception goes to torchrun's error file too (see record_error)
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:

@@ -531,8 +531,9 @@ def _check_unused(cfg: JobConfig, problems: Problems) -> None:
     _check_loads_without_checkpointing(cfg, problems)
 
 
-def check_layout_options(cfg: JobConfig, dp_shard: int, dp: int, problems: Problems) -> None:
-    """Options that the data-parallel layout, known once the world size is, ignores."""
+def check_layout_options(cfg: JobConfig, dp: int, problems: Problems) -> None:
+    """Options that the data-parallel layout, known once the world size is, ignores. (With
+    replicas only, data_parallel_shard_degree = 1, zero_stage 3 is still FSDP2: HSDP.)"""
     degrees = (
         "data_parallel_shard",
         "data_parallel_replicate",
@@ -550,15 +551,6 @@ def check_layout_options(cfg: JobConfig, dp_shard: int, dp: int, problems: Probl
             layout,
             "the data-parallel degree is 1 (no gradient reduction, nothing to shard)",
             "use more ranks or a data_parallel_shard_degree > 1 (or drop them)",
-        )
-    elif dp_shard == 1:
-        _unused(
-            problems,
-            cfg,
-            fsdp,
-            layout,
-            "data_parallel_shard_degree = 1 (replicas only: DDP, no FSDP)",
-            "shard over more than one rank (or drop it)",
         )
 
 

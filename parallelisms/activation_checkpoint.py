@@ -18,7 +18,11 @@ from functools import partial
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    SAC_IGNORED_OPS,
+    CheckpointPolicy,
+    create_selective_checkpoint_contexts,
+)
 
 _aten = torch.ops.aten
 _SAVE_OP_NAMES = (
@@ -38,6 +42,21 @@ for _name in ("reduce_scatter_tensor", "all_gather_into_tensor", "all_reduce"):
         SAVE_OPS.add(getattr(torch.ops._c10d_functional, _name).default)
 
 
+# Profiler range markers (`record_function`) carry no tensors, yet selective AC numbers every
+# op it sees, per op, in forward and again in the recompute, and fails on an invocation the
+# forward did not have. An FSDP unit nested in a checkpointed block (the expert-parallel
+# experts) opens one range more in the recompute: run in backward, its pre-forward hook finds
+# no forward root and opens "FSDP::root_pre_forward". Left out of the count, as torch leaves
+# out `detach`, they run as they are in both passes.
+_profiler = torch.ops.profiler
+PROFILER_RANGE_OPS = {
+    getattr(packet, overload)
+    for name in ("_record_function_enter", "_record_function_enter_new", "_record_function_exit")
+    if (packet := getattr(_profiler, name, None)) is not None
+    for overload in packet.overloads()
+}
+
+
 def _op_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
     if func in SAVE_OPS:
         return CheckpointPolicy.MUST_SAVE
@@ -47,6 +66,7 @@ def _op_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
 def _wrap(block: nn.Module, per_op: bool) -> nn.Module:
     kwargs = {"preserve_rng_state": False}  # Llama has no dropout: no RNG to replay
     if per_op:
+        SAC_IGNORED_OPS.update(PROFILER_RANGE_OPS)
         kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _op_policy)
     return checkpoint_wrapper(block, **kwargs)
 

@@ -11,8 +11,9 @@ Adam; bytes per rank after a step):
   stage 2  `apply_zero(stage=2)`  full params; each grad is reduce-scattered as backward
            produces it and only the shard is kept = 4 Psi + (4 + 8) Psi / N
   stage 3  `fully_shard` below    params, grads and Adam state all sharded = 16 Psi / N
-           (HSDP on the 2-D (dp_replicate, dp_shard) mesh: N = dp_shard; replicas only,
-           i.e. dp_shard = 1, is plain DDP = stage 0)
+           (HSDP on the 2-D (dp_replicate, dp_shard) mesh: N = dp_shard; with replicas
+           only, dp_shard = 1, FSDP2 shards over one rank and all-reduces over the replicas:
+           DDP's memory, and tied parameters stay in one unit, which stages 0-2 cannot do)
 
 Why stages 1-2 are not FSDP2 with resharding disabled: FSDP2 always keeps its sharded
 parameter *and* the all-gathered unsharded one, so `reshard_after_forward=False` +
@@ -45,8 +46,6 @@ def apply_data_parallel(
     t, p = job_config.training, job_config.parallelism
     param_dtype, reduce_dtype = mixed_precision_dtypes(t, device_type)
     stage = parallel_dims.zero_stage
-    if parallel_dims.dp_shard * parallel_dims.cp == 1:  # only replicas: nothing to shard
-        stage = 0
     if stage == 3:
         return apply_fsdp(
             model,

@@ -20,7 +20,8 @@ the all-to-alls, the heaviest traffic of an MoE step, run on the fastest links. 
 ranks: EP ranks must hold different tokens (each sends its own to the experts' owners), which
 data-parallel ranks do and TP ranks (which share their tokens) do not. The experts are then
 sharded by FSDP over "dp_shard_mod_ep" (kept in the mesh even at size 1, so the experts always
-have that mesh), the dense weights over all of "dp_shard".
+have that mesh), the dense weights over all of "dp_shard". Likewise "dp_shard" stays at size 1
+next to "dp_replicate" (HSDP over replicas only, without CP): FSDP2 needs its 2-D mesh.
 """
 
 from __future__ import annotations
@@ -192,6 +193,9 @@ class ParallelDims:
             ("tp", self.tp),
         ]
         keep = {"dp_shard_mod_ep"} if self.ep_enabled else set()
+        if self.dp_replicate > 1 and self.cp == 1:
+            # HSDP with one shard rank is still FSDP2 on the 2-D (dp_replicate, dp_shard) mesh
+            keep.add("dp_shard")
         names = tuple(n for n, d in dims if d > 1 or n in keep) or ("dp_shard",)
         shape = tuple(d for n, d in dims if d > 1 or n in keep) or (1,)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)

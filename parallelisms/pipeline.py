@@ -24,9 +24,14 @@ from parallelisms.parallel_dims import ParallelismError
 # Schedules whose stages sit on ranks in a V (rank r holds stages r and 2*pp - 1 - r), so the
 # first and last stage share rank 0; every other multi-stage schedule loops (stage s on s % pp).
 _V_SCHEDULES = {"ScheduleZBVZeroBubble", "ScheduleDualPipeV"}
-# Schedules that split backward into input- and weight-gradient passes, which torch only
-# supports on uncompiled stage modules.
+# Schedules that split backward into input- and weight-gradient passes (two backward passes
+# over each stage's graph), which torch only supports on uncompiled stage modules and, under
+# activation checkpointing, with whole-block recomputation (full or every N-th block), not
+# per-op selective AC: torch's selective checkpoint hands its saved op outputs to the first
+# backward through a region and refuses a second ("Trying to backward an extra time").
 _SPLIT_BACKWARD_SCHEDULES = _V_SCHEDULES | {"ScheduleInterleavedZeroBubble"}
+# What the refusals above suggest instead: the schedules whose backward is one pass.
+_ONE_PASS_BACKWARD = "1F1B, GPipe, Interleaved1F1B or LoopedBFS"
 # The prefix of the pipeline options that plan stages, for error messages.
 _KEY = "parallelism.pipeline_parallel"
 
@@ -235,10 +240,12 @@ def validate_pipeline_config(
     compile_model: bool = False,
     device_type: str = "cuda",
     torch_version: str = torch.__version__,
+    per_op_ac: bool = False,
 ) -> None:
     """Every pipeline check that needs only the config: schedule name, stage plan, microbatch
-    count, compile and torch-version compatibility, all reported at once (an unknown schedule
-    name alone, since the others depend on it). A no-op without pipeline parallelism."""
+    count, compile, per-op selective AC (`per_op_ac`) and torch-version compatibility, all
+    reported at once (an unknown schedule name alone, since the others depend on it). A no-op
+    without pipeline parallelism."""
     pp = parallelism.pipeline_parallel_degree
     if pp <= 1:
         return
@@ -265,7 +272,16 @@ def validate_pipeline_config(
         problems.add(
             f"{cls.__name__} splits backward into input and weight passes, which torch does "
             "not support on compiled stages: disable compile.enable (or drop 'model' from "
-            "compile.components) or pick 1F1B, GPipe, Interleaved1F1B or LoopedBFS."
+            f"compile.components) or pick {_ONE_PASS_BACKWARD}."
+        )
+    if per_op_ac and cls.__name__ in _SPLIT_BACKWARD_SCHEDULES:
+        problems.add(
+            f"parallelism.pipeline_parallel_schedule = '{name}' with activation_checkpoint."
+            "selective_ac_option = 'op': the schedule runs two backward passes (input, then "
+            "weight gradients) over every checkpointed block, and torch's per-op selective AC "
+            "allows one (the first consumes the op outputs it saved). Use activation_checkpoint"
+            ".mode = 'full' or selective_ac_option = N (whole blocks, recomputed per pass), or "
+            f"pick {_ONE_PASS_BACKWARD}."
         )
     if (
         cls.__name__ in _V_SCHEDULES

@@ -184,10 +184,11 @@ def expected_layout(nproc: int, args: list[str], n_layers: int = 2) -> dict:
     )
     stage = int(o.get("parallelism.zero_stage", 3))
     # FSDP shards over the data-parallel and CP ranks together ("dp_shard_cp")
+    # (replicas only, shard * cp == 1, is still FSDP: HSDP over one shard rank)
     if rep * shard * cp == 1:
         dp = {"kind": "none", "zero_stage": None}
-    elif shard * cp == 1 or stage < 3:
-        dp = {"kind": "zero", "zero_stage": 0 if shard * cp == 1 else stage}
+    elif stage < 3:
+        dp = {"kind": "zero", "zero_stage": stage}
     else:
         dp = {"kind": "fsdp", "zero_stage": 3}
     schedule = o.get("parallelism.pipeline_parallel_schedule", "1F1B") if pp > 1 else None

@@ -113,6 +113,17 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
+def record_error(error: BaseException) -> None:
+    """Writes `error` to this rank's torchrun error file (TORCHELASTIC_ERROR_FILE; what
+    torchrun's `record` decorator writes for an uncaught exception), so that torchrun's failure
+    summary gives each failed rank's own error instead of "error_file: <N/A>". For errors
+    train.py catches and turns into an exit status; call it in their except block. Without
+    torchrun (no error file) it does nothing."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    ErrorHandler().record_exception(error)
+
+
 def cleanup() -> None:
     """Destroys the process groups while the interpreter is fully alive. Modules with hooks
     form reference cycles that keep groups (and gloo's finished work objects) alive until a

@@ -1,8 +1,9 @@
 """Fault tolerance on 2 CPU ranks: a rank that dies is restarted by torchrun and the run
 resumes from its latest checkpoint with the uninterrupted run's losses; a rank that hangs
-turns into an error naming the rank and the step after comm.train_timeout_seconds.
+turns into an error naming the rank and the step after comm.train_timeout_seconds; a rank
+that fails (no restart) shows its own error on the console.
 
-The three launches run at once (one fixture), since most of their time is start-up.
+The four launches run at once (one fixture), since most of their time is start-up.
 """
 
 import json
@@ -49,6 +50,7 @@ def runs(tmp_path_factory):
         "reference": (ckpt, 0, None),
         "failing": (ckpt + ["--debug.fail_at_step", "4"], 1, None),
         "hang": (["--comm.train_timeout_seconds", "5", "--debug.hang_at_step", "3"], 0, None),
+        "failed": (["--debug.fail_at_step", "1"], 0, None),  # no restart: the job fails
     }
     started = {}
     for name, (args, restarts, env) in specs.items():
@@ -95,3 +97,15 @@ def test_hung_rank_becomes_an_error_naming_rank_and_step(runs):
     assert "rank 0 failed at step 3" in log0, log0[-3000:]
     assert "comm.train_timeout_seconds = 5" in log0
     assert seconds < 200
+
+
+def test_failing_rank_reports_its_own_error_on_the_console(runs):
+    """Only the last rank fails: the console (torchrun's output, where rank 0 logs) carries that
+    rank's own error, not only rank 0's "Connection closed by peer", and torchrun's summary
+    names it (the rank's error file)."""
+    dump, rc, out, _ = runs["failed"]
+    assert rc != 0
+    own = "[rank1] rank 1 failed at step 1: RuntimeError: debug.fail_at_step = 1: injected"
+    assert own in out, out[-3000:]
+    summary = out[out.index("train.py FAILED") :]  # from the rank's error file
+    assert "StepError: rank 1 failed at step 1: RuntimeError: debug.fail_at_step" in summary

@@ -46,12 +46,16 @@ PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--model.n_layers", "4",
        "--parallelism.pipeline_parallel_schedule", "1F1B",
        "--parallelism.pipeline_parallel_microbatch_size", "2"]  # fmt: skip
 AC = ["--activation_checkpoint.mode", "full"]
+SAC_OP = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
+          "op"]  # fmt: skip
 
 # name: (ranks, arguments, reference)
 LAYOUTS = {
     "ep2": (2, [*ep(2), *LB, "4"], "aux"),
     "ep2_fsdp2_bias": (4, [*ep(2), *BIAS, *LB, "2"], "aux_bias"),
     "ep4_ac": (4, [*ep(4), *AC, *LB, "2"], "aux"),
+    # per-op AC around blocks whose experts are an FSDP unit of their own (hooks in the region)
+    "ep2_sac_op": (2, [*ep(2), *SAC_OP, *LB, "4"], "aux"),
     # attention compiled (the MoE layer's routing runs eager: data-dependent shapes)
     "ep2_tp2_compile": (4, [*ep(2), *TP2, "--compile.enable", "true", *LB, "4"], "aux"),
     # PP splits each rank's batch into microbatches, so the load-balancing loss (over each

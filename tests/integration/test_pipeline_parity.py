@@ -53,6 +53,9 @@ SPLIT = "parallelism__pipeline_parallel_split_points"
 # every run validates on the same 16 sequences as the reference (2 batches of 8).
 VS = "validation__steps"
 
+AC_EVERY_2 = {"activation_checkpoint__mode": "selective",
+              "activation_checkpoint__selective_ac_option": "2"}  # fmt: skip
+
 # name: (ranks, arguments). Local batch 8 unless set; microbatch sizes vary the number of
 # microbatches (2, 4 or 8) per schedule step.
 LAYOUTS = {
@@ -65,6 +68,9 @@ LAYOUTS = {
     "pp2_interleaved_zb": (2, _pp("InterleavedZeroBubble", 2)),
     "pp2_zbv": (2, _pp("ZBVZeroBubble", 2)),
     "pp2_dualpipev": (2, _pp("DualPipeV", 2)),
+    # split backward (input, then weight pass) recomputes each checkpointed block once per
+    # pass; per-op selective AC is refused with these schedules (one backward per region)
+    "pp2_zbv_ac_every_2": (2, _pp("ZBVZeroBubble", 2, **AC_EVERY_2)),
     # gradient accumulation (4 schedule steps per optimizer step) and an uneven explicit split
     "pp2_1f1b_accum_split": (
         2,

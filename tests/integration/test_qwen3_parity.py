@@ -40,6 +40,8 @@ LAYOUTS = {
     "tied_tp2": (2, [*TIED, *TP2], "tied"),
     "tied_tp2_fsdp2": (4, [*TIED, *TP2, *LB, "4"], "tied"),
     "tied_hsdp_2x2": (4, [*TIED, *HSDP, *LB, "2"], "tied"),
+    # replicas only: still FSDP2 (one shard rank), which holds the tied weight; ZeRO-0 cannot
+    "tied_hsdp_2x1": (2, [*TIED, *HSDP, *LB, "4"], "tied"),
     "untied_fsdp2": (2, [*UNTIED, *LB, "4"], "untied"),
     "untied_tp2_fsdp2": (4, [*UNTIED, *TP2, *LB, "4"], "untied"),
     "untied_pp2": (2, [*UNTIED, *PP2], "untied_4_layers"),

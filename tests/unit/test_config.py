@@ -342,9 +342,6 @@ def test_layout_errors_are_reported_together_with_the_config_errors():
          "data-parallel degree is 1"),
         (2, ["--parallelism.tensor_parallel_degree", "2", "--training.mixed_precision_reduce",
              "bfloat16"], "training.mixed_precision_reduce set but the data-parallel degree"),
-        (2, ["--parallelism.data_parallel_replicate_degree", "2",
-             "--parallelism.fsdp_reshard_after_forward", "always"],
-         "parallelism.fsdp_reshard_after_forward set but data_parallel_shard_degree = 1"),
     ],
 )  # fmt: skip
 def test_options_the_layout_ignores_are_rejected(world, argv, expected):
@@ -354,3 +351,15 @@ def test_options_the_layout_ignores_are_rejected(world, argv, expected):
     check_config(cfg, world_size=2 * world)  # a layout that uses them
     with pytest.raises(ConfigError, match=re.escape(expected)):
         check_config(cfg, world_size=world)
+
+
+def test_replicas_only_hsdp_is_fsdp_and_takes_its_options():
+    """data_parallel_shard_degree 1 under replicas is still FSDP2 (HSDP on a (2, 1) mesh), so
+    its FSDP options apply, and a tied flavor (one FSDP unit for the shared weight) passes."""
+    from train import check_config
+
+    for argv in (["--parallelism.fsdp_reshard_after_forward", "always"],
+                 ["--model.name", "qwen3", "--model.flavor", "debugmodel"]):  # fmt: skip
+        cfg = parse_args(["--config", "tests/tiny_model.toml",
+                          "--parallelism.data_parallel_replicate_degree", "2", *argv])  # fmt: skip
+        check_config(cfg, world_size=2)

@@ -137,6 +137,29 @@ def test_check_config_rejects_bad_pipelines_before_any_work(argv, match):
         check_config(_cfg(*argv), world_size=2)
 
 
+SPLIT_BACKWARD = ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
+
+
+@pytest.mark.parametrize("name", SINGLE + MULTI)
+@pytest.mark.parametrize("ac", [["full", "2"], ["selective", "2"], ["selective", "op"]])
+def test_split_backward_schedules_refuse_per_op_ac_only(name, ac):
+    """Measured on 2 gloo ranks (torch 2.13, 4 layers): the zero-bubble schedules train with
+    full and every-N-th-block AC, and fail with per-op selective AC ("Trying to backward an
+    extra time"); the check refuses exactly that, naming both options and a way out."""
+    if not v_schedules_on_gloo() and name in ("ZBVZeroBubble", "DualPipeV"):
+        return  # refused on gloo with torch < 2.13 (test_v_schedules_on_gloo_...)
+    cfg = _cfg("--parallelism.pipeline_parallel_schedule", name,
+               "--parallelism.pipeline_parallel_microbatch_size", "2",
+               "--activation_checkpoint.mode", ac[0],
+               "--activation_checkpoint.selective_ac_option", ac[1])  # fmt: skip
+    if name in SPLIT_BACKWARD and ac[1] == "op":
+        with pytest.raises(ParallelismError, match=rf"schedule = '{name}' with activation_checkp"
+                           r"oint.selective_ac_option = 'op'.*mode = 'full'.*1F1B"):  # fmt: skip
+            check_config(cfg, world_size=2)
+    else:
+        assert check_config(cfg, world_size=2).pp == 2
+
+
 def test_check_config_accepts_every_schedule():
     for name in SINGLE + MULTI:
         if not v_schedules_on_gloo() and name in ("ZBVZeroBubble", "DualPipeV"):
