@@ -3,6 +3,8 @@
 # Extra arguments go to pytest: ./run_tests.sh tests/unit runs the fast tier (no process
 # launch, well under 2 minutes) while developing; ./run_tests.sh -k config -x a subset.
 # ./run_tests.sh --mutants runs the mutation check instead (scripts/mutation_check.py).
+# ./run_tests.sh --matrix SEED draws the combination matrix's all-pairs design with another
+# seed and runs it (tests/matrix.py; a table of every row at the end).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "$ROOT/scripts/bootstrap_env.sh"
@@ -10,6 +12,18 @@ cd "$ROOT"
 if [ "${1:-}" = "--mutants" ]; then
   shift
   exec python scripts/mutation_check.py "$@"
+fi
+if [ "${1:-}" = "--matrix" ]; then
+  SEED=${2:?usage: ./run_tests.sh --matrix SEED [pytest arguments]}
+  shift 2
+  OUT=$(mktemp -d)
+  python tests/matrix.py --seed "$SEED" --write "$OUT/design.json"
+  status=0
+  MESHTRAIN_MATRIX_DESIGN="$OUT/design.json" MESHTRAIN_MATRIX_REPORT="$OUT/report.jsonl" \
+    python -m pytest tests/integration/test_combination_matrix.py "$@" || status=$?
+  [ -f "$OUT/report.jsonl" ] && python tests/matrix.py --table "$OUT/report.jsonl"
+  echo "design, report: $OUT"
+  exit "$status"
 fi
 ruff check .
 ruff format --check .

@@ -274,6 +274,21 @@ def assert_layout(
     return got
 
 
+def moe_local_blocks(nproc: int, args: list[str], n_layers: int) -> int | None:
+    """Block weight elements per rank of the MoE debug flavor at the tiny width (dim 64): the
+    attention matrices cut TP x shard times, the router and the experts (never TP-sharded) by
+    the shard ranks only. None for the dense families, where `expected_layout`'s rule holds."""
+    if "qwen3_moe" not in args:
+        return None
+    o = _options(args)
+    tp = int(o.get("parallelism.tensor_parallel_degree", 1))
+    shards = expected_layout(nproc, args, n_layers)["block_divisor"] // tp
+    layers = n_layers // int(o.get("parallelism.pipeline_parallel_degree", 1))
+    attention = 64 * 128 * 2 + 64 * 64 * 2  # wq, wo (4 heads x 32) and wk, wv (2 kv heads)
+    moe = 8 * 64 + 3 * 8 * 128 * 64  # router, 8 experts' w1 / w2 / w3
+    return layers * (attention // (tp * shards) + moe // shards)
+
+
 def assert_router_parity(ref, run, first: int = 1) -> None:
     """The expert loads and the load-balancing loss of every step equal the reference's."""
     for key in ("max_load", "min_load", "aux_loss", "bias_drift"):

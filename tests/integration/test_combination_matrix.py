@@ -1,0 +1,163 @@
+"""Every combination of options that the config check accepts trains correctly: the all-pairs
+design of `tests/matrix.py` (every pair of values of model family, TP, PP schedule, CP, EP,
+data-parallel kind and ZeRO stage, AC mode, compile components, document masking, precision,
+accumulation, CPU offload, and a second launch: async-checkpoint resume or a rerun on the warm
+compile cache), each row a 4-step run on 2-8 gloo ranks.
+
+Each row must
+- build the layout it asks for (`layout.json`, tests/parity.py's `assert_layout`);
+- train to finite losses;
+- at step 1 and at every step after, match the one-process run of the same model, data,
+  masking and precision on the loss and the gradient norm (step 1 does not depend on the
+  layout at all; the gradient norm catches what the loss misses);
+- if relaunched: resumed from its async step-2 checkpoint, or rerun on the warm compile
+  cache, repeat its own steps exactly.
+Refused pairs (no accepted row can hold them) are checked to be still refused, with the config
+check's message, so the design follows the check.
+
+All rows share one inductor cache, as runs on one machine do. The design is the committed
+`tests/matrix_design.json` (seed 23); `./run_tests.sh --matrix SEED` draws and runs another
+(MESHTRAIN_MATRIX_DESIGN names its file).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+from dist_utils import Run, launch_many
+from matrix import (
+    DESIGN_FILE,
+    FACTORS,
+    N_LAYERS,
+    STEPS,
+    Row,
+    _all_pairs,
+    launch_of,
+    load,
+    refusal,
+)
+from parity import (
+    EXACT,
+    FP32,
+    MOE_FP32,
+    QWEN3_FP32,
+    Tolerance,
+    assert_layout,
+    assert_series,
+    by_step,
+    moe_local_blocks,
+    selected_runs,
+)
+
+DESIGN = load(os.environ.get("MESHTRAIN_MATRIX_DESIGN") or DESIGN_FILE)
+ROWS = {f"row{i:02d}": row for i, row in enumerate(DESIGN.rows)}
+
+# bf16 compute against the one-process bf16 run (autocast there, FSDP's / ZeRO's bf16 copies of
+# the weights in the rows): measured worst over the design (see docs/combination_matrix.md)
+BF16 = Tolerance(loss=2e-3, grad_norm=2e-2, weights=0.0, weights_norm=0.0)
+
+
+def tolerance(row: Row) -> Tolerance:
+    if row["precision"] == "bfloat16":
+        return BF16
+    return {"qwen3_moe": MOE_FP32, "qwen3": QWEN3_FP32, "qwen3_tied": QWEN3_FP32}.get(
+        row["model"], FP32
+    )
+
+
+def second_launch(name: str, row: Row, base: Path, args: list[str]) -> list[str] | None:
+    """The arguments of the row's second launch, if it has one."""
+    if row["relaunch"] == "warm_rerun":  # the same run, on the cache the first one filled
+        return args
+    if row["relaunch"] == "resume_async":  # from the step-2 checkpoint the first saved async
+        step2 = base / name / "checkpoint" / "step-2"
+        return [*args, "--checkpoint.initial_load_path", str(step2),
+                "--checkpoint.initial_load_model_only", "false"]  # fmt: skip
+    return None
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    base = tmp_path_factory.mktemp("matrix")
+    # one inductor cache for the whole design, as every run on one machine shares one
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(base / "inductor_cache")}
+    todo, refs = [], {}
+    for name in sorted(selected_runs(request, ROWS, {})):
+        launch = launch_of(ROWS[name])
+        refs[launch.reference] = launch.reference_args
+        todo.append(Run(name, base / name, launch.nproc, launch.args, env=env))
+        again = second_launch(name, ROWS[name], base, launch.args)
+        if again is not None:
+            todo.append(Run(f"{name}_again", base / f"{name}_again", launch.nproc, again,
+                            env=env, after=name))  # fmt: skip
+    todo = [Run(n, base / n, 1, a) for n, a in sorted(refs.items())] + todo
+    return launch_many(todo, parallel=2, timeout=5400)  # the whole batch
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def _report(name: str, row: Row, outcome: str, diffs: dict) -> None:
+    """One JSON line per row to MESHTRAIN_MATRIX_REPORT, if set (`tests/matrix.py --table`
+    turns the file into the docs' table)."""
+    path = os.environ.get("MESHTRAIN_MATRIX_REPORT")
+    if path:
+        record = {"row": name, "ranks": launch_of(row).nproc, "label": row.label,
+                  "outcome": outcome, **diffs}  # fmt: skip
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def check_row(runs, name: str, diffs: dict) -> None:
+    row = ROWS[name]
+    run = runs[name].check()
+    ref = runs[launch_of(row).reference].check()
+    local = moe_local_blocks(run.nproc, run.args, N_LAYERS)
+    assert_layout(run.folder, run.nproc, run.args, N_LAYERS, local)
+    losses = run.losses()
+    assert sorted(losses) == list(range(1, STEPS + 1)), losses
+    assert all(math.isfinite(v) for v in losses.values()), losses
+    tol = tolerance(row)
+    for key, t in (("loss", tol.loss), ("grad_norm", tol.grad_norm)):
+        want, got = by_step(ref.folder, key), by_step(run.folder, key)
+        diffs[f"step1_{key}"] = _rel(got[1], want[1])
+        assert diffs[f"step1_{key}"] <= t, f"step 1 {key}: {got[1]} vs {want[1]} ({row.label})"
+        diffs[key] = assert_series(want, got, f"{key} ({row.label})", t)
+    if row["relaunch"] != "none":
+        again = runs[f"{name}_again"].check()
+        first = 3 if row["relaunch"] == "resume_async" else 1
+        for key in ("loss", "grad_norm"):
+            mine, theirs = (
+                by_step(run.folder, key, first=first),
+                by_step(again.folder, key, first=first),
+            )
+            diffs[f"relaunch_{key}"] = assert_series(mine, theirs, f"{key} relaunched", EXACT.loss)
+
+
+@pytest.mark.parametrize("name", list(ROWS))
+def test_row_trains_like_one_process(runs, name):
+    diffs = {}
+    try:
+        check_row(runs, name, diffs)
+    except AssertionError as e:
+        _report(name, ROWS[name], "FAIL: " + str(e).splitlines()[0][:200], diffs)
+        raise
+    _report(name, ROWS[name], "pass", diffs)
+
+
+def test_design_covers_every_pair():
+    """Every pair of values is in some row or recorded as refused; the rows are still accepted
+    by the config check and the refused pairs still refused (else: redraw the design)."""
+    covered = set().union(*(row.pairs() for row in DESIGN.rows))
+    missing = _all_pairs() - covered - set(DESIGN.refused)
+    assert not missing, f"pairs in no row and not refused: {sorted(missing)[:5]}"
+    accepted_now = [r.label for r in DESIGN.rows if refusal(r)]
+    assert not accepted_now, f"rows the config check now refuses: {accepted_now}"
+    for pair, why in DESIGN.refused.items():
+        assert why, pair
+    assert len(FACTORS) == len(DESIGN.rows[0].values)

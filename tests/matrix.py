@@ -1,0 +1,376 @@
+"""The combination matrix: a seeded all-pairs (pairwise covering) design over every option that
+changes how a training step is computed, each row a tiny `train.py` run.
+
+Parity tests prove the layouts they name; users run other points of the option space. An
+all-pairs design puts every pair of values of every two factors below into at least one row,
+so a failure that needs two options together (the common case) shows up in ~40 runs, where
+the full product would be millions. The greedy generator (AETG-style) is seeded, so a design is
+reproducible, and `./run_tests.sh --matrix SEED` draws and runs another one.
+
+Rows must be accepted by the real config check (`train.check_config`, in this process, no
+process group): the generator asks it about every candidate row, so the design follows the
+check and never has to restate its rules. A pair of values that no accepted row can hold is a
+*refused pair*; `refused_pairs` reports each with the config check's message for the smallest
+row holding it (or the one rule of the generator itself: at most 8 ranks).
+
+    python tests/matrix.py --seed 7                  # print a design and its refused pairs
+    python tests/matrix.py --write tests/matrix_design.json   # redraw CI's design (seed 23)
+    ./run_tests.sh --matrix 7                        # draw the seed-7 design and run it
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import sys
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+# factor -> its levels, as they are named in the rows and tables
+FACTORS: dict[str, tuple] = {
+    "model": ("llama3", "qwen3", "qwen3_tied", "qwen3_moe"),
+    "tp": (1, 2),
+    "pp": ("off", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"),
+    "cp": (1, 2),
+    "ep": (1, 2),
+    # data-parallel kind: none, FSDP 2, HSDP 2x2, replicas only (HSDP with shard degree 1),
+    # DDP 2, ZeRO-1 2, ZeRO-2 2
+    "dp": ("none", "fsdp", "hsdp", "replicate", "ddp", "zero1", "zero2"),
+    "ac": ("none", "full", "every2", "op"),
+    "compile": ("off", "model", "loss", "model+loss"),
+    "doc_mask": (False, True),
+    "precision": ("float32", "bfloat16"),
+    "accum": (1, 2),
+    "offload": (False, True),
+    # a second launch of the row: none; resumed from its async-saved step-2 checkpoint (steps
+    # 3-4 again, exactly); the same run again on the now warm compile cache (exactly equal)
+    "relaunch": ("none", "resume_async", "warm_rerun"),
+}
+DEFAULT_SEED = 23
+# the design CI runs (drawn with DEFAULT_SEED); MESHTRAIN_MATRIX_DESIGN names another
+DESIGN_FILE = Path(__file__).resolve().parent / "matrix_design.json"
+MAX_RANKS = 8
+STEPS = 4
+GLOBAL_BATCH = 8
+SEQ_LEN = 64
+N_LAYERS = 4  # the V schedules need 2 stages per rank, one layer each at PP 2
+# (replicate, shard, zero stage) of each data-parallel kind
+DP_KINDS = {
+    "none": (1, 1, 3),
+    "fsdp": (1, 2, 3),
+    "hsdp": (2, 2, 3),
+    "replicate": (2, 1, 3),
+    "ddp": (1, 2, 0),
+    "zero1": (1, 2, 1),
+    "zero2": (1, 2, 2),
+}
+FAMILY_ARGS = {
+    "llama3": [],
+    "qwen3": ["--model.name", "qwen3", "--model.flavor", "debugmodel_untied"],
+    "qwen3_tied": ["--model.name", "qwen3", "--model.flavor", "debugmodel"],
+    # the per-token z-loss and the bias balancing, not the load-balancing loss: that one is
+    # over each micro-batch, which PP and accumulation cut differently from one process
+    "qwen3_moe": ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel",
+                  "--model.moe_aux_loss_coeff", "0", "--model.moe_z_loss_coeff", "0.001",
+                  "--model.moe_bias_update_rate", "0.001", "--optimizer.lr", "1e-3"],
+}  # fmt: skip
+# what every run shares: the tiny shape (tests/tiny_model.toml) at 4 layers, 4 steps of the
+# same 8 sequences of 64 tokens per step
+COMMON = ["--model.n_layers", str(N_LAYERS), "--training.seq_len", str(SEQ_LEN),
+          "--training.steps", str(STEPS), "--training.global_batch_size", str(GLOBAL_BATCH),
+          "--debug.deterministic", "true"]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Row:
+    """One point of the option space: a value for every factor."""
+
+    values: tuple  # in FACTORS order
+
+    def __getitem__(self, factor: str):
+        return self.values[list(FACTORS).index(factor)]
+
+    def pairs(self) -> set[tuple]:
+        items = list(zip(FACTORS, self.values))
+        return {(a, b) for a, b in itertools.combinations(items, 2)}
+
+    @property
+    def label(self) -> str:
+        """The non-default values, e.g. 'qwen3_moe tp2 pp=1F1B ac=op'."""
+        parts = [str(self["model"])]
+        for factor, value in zip(FACTORS, self.values):
+            if factor != "model" and value != FACTORS[factor][0]:
+                parts.append(f"{factor}{value}" if isinstance(value, int) else f"{factor}={value}")
+        return " ".join(parts)
+
+
+@dataclass
+class Launch:
+    """What one row runs: ranks and train.py arguments, and the reference it must match."""
+
+    nproc: int
+    args: list[str]
+    reference: str  # the one-process run of the same model, masking and precision
+    reference_args: list[str] = field(default_factory=list)
+
+
+def degrees(row: Row) -> dict[str, int]:
+    rep, shard, zero = DP_KINDS[row["dp"]]
+    pp = 1 if row["pp"] == "off" else 2
+    world = row["tp"] * pp * row["cp"] * rep * shard
+    return {"replicate": rep, "shard": shard, "zero": zero, "pp": pp, "world": world}
+
+
+def reference_name(row: Row) -> str:
+    return f"ref_{row['model']}_{row['precision']}" + ("_doc" if row["doc_mask"] else "")
+
+
+def reference_args(row: Row) -> list[str]:
+    """One process, same model, data, masking and precision (and the same 8 sequences a step:
+    the layout, accumulation and everything else must not change the numbers)."""
+    return [*COMMON, *FAMILY_ARGS[row["model"]], "--training.local_batch_size", str(GLOBAL_BATCH),
+            "--training.document_mask", str(row["doc_mask"]).lower(),
+            "--training.mixed_precision_param", row["precision"]]  # fmt: skip
+
+
+def launch_of(row: Row) -> Launch:
+    d = degrees(row)
+    dp = d["replicate"] * d["shard"]
+    local = GLOBAL_BATCH // (dp * row["accum"])
+    a = [*COMMON, *FAMILY_ARGS[row["model"]], "--training.local_batch_size", str(local),
+         "--training.document_mask", str(row["doc_mask"]).lower(),
+         "--training.mixed_precision_param", row["precision"],
+         "--parallelism.data_parallel_replicate_degree", str(d["replicate"]),
+         "--parallelism.data_parallel_shard_degree", str(d["shard"]),
+         "--parallelism.zero_stage", str(d["zero"]),
+         "--parallelism.tensor_parallel_degree", str(row["tp"]),
+         "--parallelism.context_parallel_degree", str(row["cp"]),
+         "--parallelism.expert_parallel_degree", str(row["ep"]),
+         "--parallelism.pipeline_parallel_degree", str(d["pp"])]  # fmt: skip
+    if d["pp"] > 1:
+        a += ["--parallelism.pipeline_parallel_schedule", row["pp"]]
+    ac = {"none": ("none", "2"), "full": ("full", "2"), "every2": ("selective", "2"),
+          "op": ("selective", "op")}[row["ac"]]  # fmt: skip
+    a += ["--activation_checkpoint.mode", ac[0], "--activation_checkpoint.selective_ac_option",
+          ac[1]]  # fmt: skip
+    if row["compile"] != "off":
+        a += ["--compile.enable", "true", "--compile.components", row["compile"].replace("+", ",")]
+    if row["offload"]:
+        a += ["--training.enable_cpu_offload", "true"]
+    if row["relaunch"] == "resume_async":
+        a += ["--checkpoint.enable", "true", "--checkpoint.interval", "2",
+              "--checkpoint.async_mode", "async"]  # fmt: skip
+    return Launch(d["world"], _drop_defaults(a), reference_name(row), reference_args(row))
+
+
+def _drop_defaults(args: list[str]) -> list[str]:
+    """Leaves out the options a row sets to the value they would have anyway (a degree of 1,
+    ZeRO-3, no AC), so that the unused-option check sees only what the row asks for."""
+    defaults = {
+        "--parallelism.data_parallel_replicate_degree": "1",
+        "--parallelism.tensor_parallel_degree": "1",
+        "--parallelism.context_parallel_degree": "1",
+        "--parallelism.expert_parallel_degree": "1",
+        "--parallelism.pipeline_parallel_degree": "1",
+        "--parallelism.zero_stage": "3",
+        "--activation_checkpoint.mode": "none",
+        "--training.document_mask": "false",
+        "--training.mixed_precision_param": "float32",
+    }
+    out, i = [], 0
+    while i < len(args):
+        key, value = args[i], args[i + 1]
+        if defaults.get(key) == value:
+            i += 2
+            continue
+        if key == "--activation_checkpoint.selective_ac_option" and "selective" not in args:
+            i += 2
+            continue
+        out += [key, value]
+        i += 2
+    return out
+
+
+@cache
+def refusal(row: Row) -> str:
+    """'' when the config check accepts the row at its world size, else its message."""
+    d = degrees(row)
+    if d["world"] > MAX_RANKS:
+        return f"needs {d['world']} ranks (the matrix runs at most {MAX_RANKS})"
+    from dist_utils import TINY_CONFIG
+
+    from job_config import ConfigError, parse_args
+    from parallelisms.parallel_dims import ParallelismError
+    from train import check_config
+
+    try:
+        cfg = parse_args(["--config", str(TINY_CONFIG), *launch_of(row).args])
+        check_config(cfg, d["world"])
+    except (ConfigError, ParallelismError) as e:
+        return str(e)
+    return ""
+
+
+def _all_pairs() -> set[tuple]:
+    items = [[(f, v) for v in levels] for f, levels in FACTORS.items()]
+    return {(a, b) for x, y in itertools.combinations(items, 2) for a in x for b in y}
+
+
+def _complete(fixed: dict, uncovered: set, rng: random.Random) -> Row:
+    """A row holding `fixed`, the other factors chosen one by one (in random order) for the
+    most still-uncovered pairs with the values chosen so far, ties broken at random."""
+    values = dict(fixed)
+    for factor in rng.sample(list(FACTORS), len(FACTORS)):
+        if factor in values:
+            continue
+
+        def gain(level, factor=factor):
+            return sum(
+                ((f, v), (factor, level)) in uncovered or ((factor, level), (f, v)) in uncovered
+                for f, v in values.items()
+            )
+
+        levels = list(FACTORS[factor])
+        rng.shuffle(levels)
+        values[factor] = max(levels, key=gain)
+    return Row(tuple(values[f] for f in FACTORS))
+
+
+def _repair(row: Row, keep: set, rng: random.Random, tries: int) -> Row | None:
+    """`row` or a neighbour of it (other values for factors outside `keep`) that the config
+    check accepts; None if `tries` random changes find none."""
+    for _ in range(tries):
+        if not refusal(row):
+            return row
+        factor = rng.choice([f for f in FACTORS if f not in keep])
+        values = list(row.values)
+        values[list(FACTORS).index(factor)] = rng.choice(FACTORS[factor])
+        row = Row(tuple(values))
+    return row if not refusal(row) else None
+
+
+@dataclass
+class Design:
+    seed: int
+    rows: list[Row]
+    refused: dict[tuple, str]  # pair -> why no accepted row can hold it
+
+
+def generate(seed: int = DEFAULT_SEED, candidates: int = 12, tries: int = 40) -> Design:
+    """The seeded all-pairs design: rows until every pair is in a row or found refused."""
+    rng = random.Random(seed)
+    uncovered = _all_pairs()
+    order = sorted(uncovered, key=repr)
+    rng.shuffle(order)
+    rows, refused = [], {}
+    for target in order:
+        if target not in uncovered:
+            continue
+        fixed = dict(target)
+        best, best_key = None, None
+        tried = [_complete(fixed, uncovered, rng) for _ in range(candidates)]
+        for row in [_repair(r, set(fixed), rng, tries) for r in tried] + [_smallest(target)]:
+            if row is None or refusal(row) or target not in row.pairs():
+                continue
+            # new pairs, less a rank's cost: a row of 8 ranks must cover 2 more than one of 4
+            key = len(row.pairs() & uncovered) - degrees(row)["world"] / 2
+            if best_key is None or key > best_key:
+                best, best_key = row, key
+        if best is None:
+            refused[target] = _why_refused(target)
+            uncovered.discard(target)
+            continue
+        rows.append(best)
+        uncovered -= best.pairs()
+    return Design(seed, rows, refused)
+
+
+def _smallest(pair: tuple) -> Row:
+    """The row holding `pair` with every other factor at its first level; the model that the
+    pair needs (experts for EP) where it names none."""
+    values = {f: levels[0] for f, levels in FACTORS.items()} | dict(pair)
+    if values["ep"] != 1 and "model" not in dict(pair):
+        values["model"] = "qwen3_moe"
+    if degrees(Row(tuple(values[f] for f in FACTORS)))["world"] == 1:
+        # one rank alone is the reference, not a row: 2 ranks of a factor the pair leaves free
+        factor, level = next(
+            x for x in (("dp", "fsdp"), ("tp", 2), ("cp", 2)) if x[0] not in dict(pair)
+        )
+        values[factor] = level
+    return Row(tuple(values[f] for f in FACTORS))
+
+
+def _why_refused(pair: tuple) -> str:
+    """The config check's message for the smallest row holding `pair`."""
+    return refusal(_smallest(pair)) or "accepted alone; refused with every completion tried"
+
+
+def describe(design: Design) -> str:
+    lines = [f"combination matrix, seed {design.seed}: {len(design.rows)} rows"]
+    for i, row in enumerate(design.rows):
+        lines.append(f"  {i:02d} ({degrees(row)['world']} ranks) {row.label}")
+    lines.append(f"refused pairs: {len(design.refused)}")
+    for (a, b), why in sorted(design.refused.items(), key=repr):
+        why = " ".join(line.strip() for line in why.splitlines())
+        lines.append(f"  {a[0]}={a[1]} + {b[0]}={b[1]}: {why}")
+    return "\n".join(lines)
+
+
+def save(design: Design, path: Path) -> None:
+    data = {
+        "seed": design.seed,
+        "factors": list(FACTORS),
+        "rows": [list(r.values) for r in design.rows],
+        "refused": [[list(a), list(b), why] for (a, b), why in design.refused.items()],
+    }
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def load(path: Path = DESIGN_FILE) -> Design:
+    """A design written by `save` (the CI design by default: generating one asks the config
+    check about thousands of candidate rows, a minute or more, too long for every collection)."""
+    data = json.loads(Path(path).read_text())
+    assert data["factors"] == list(FACTORS), f"{path} was drawn over other factors: regenerate it"
+    rows = [Row(tuple(v)) for v in data["rows"]]
+    refused = {(tuple(a), tuple(b)): why for a, b, why in data["refused"]}
+    return Design(data["seed"], rows, refused)
+
+
+def table(report: Path) -> str:
+    """A markdown table of a run's report (MESHTRAIN_MATRIX_REPORT's JSON lines)."""
+    lines = ["| row | ranks | options (other than the first level of each factor) | outcome | "
+             "step-1 loss | step-1 grad norm | worst loss | worst grad norm |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    records = sorted(
+        (json.loads(x) for x in report.read_text().splitlines()), key=lambda r: r["row"]
+    )
+    for r in records:
+        nums = [f"{r[k]:.1e}" if k in r else "" for k in
+                ("step1_loss", "step1_grad_norm", "loss", "grad_norm")]  # fmt: skip
+        lines.append(f"| {r['row']} | {r['ranks']} | {r['label']} | {r['outcome']} | "
+                     + " | ".join(nums) + " |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    parser.add_argument("--write", type=Path, help="save the design (JSON) to this file")
+    parser.add_argument("--table", type=Path, help="print a run's report as a markdown table")
+    args = parser.parse_args(argv)
+    if args.table:
+        print(table(args.table))
+        return
+    design = generate(args.seed)
+    print(describe(design))
+    if args.write:
+        save(design, args.write)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    main()
