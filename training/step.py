@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from models.numerics import at_least_float32
 from parallelisms.context_parallel import SequenceSplit
 
 
@@ -69,7 +70,7 @@ def train_step(setup: StepSetup, microbatches: list[tuple[torch.Tensor, torch.Te
     """Forward and backward over every micro-step, each (inputs, labels, model keyword
     arguments) as `sequence_inputs` gives them; returns this rank's mean loss (a tensor, zero
     on pipeline stages that do not compute the loss). No host sync happens here."""
-    total = torch.zeros((), device=microbatches[0][0].device)
+    total = torch.zeros((), device=microbatches[0][0].device)  # a float64 loss promotes it
     for i, (inputs, labels, kwargs) in enumerate(microbatches):
         _set_grad_sync(setup.model_parts, i == len(microbatches) - 1)
         with setup.loss_context():
@@ -77,7 +78,7 @@ def train_step(setup: StepSetup, microbatches: list[tuple[torch.Tensor, torch.Te
                 with setup.autocast():
                     loss = setup.loss_fn(setup.model_parts[0](inputs, **kwargs), labels)
                 loss.backward()
-                total += loss.detach()
+                total = total + loss.detach()
             else:
                 args, target, losses = pipeline_call(setup, inputs, labels)
                 with setup.autocast():  # the schedule runs the backward passes itself
@@ -90,7 +91,7 @@ def train_step(setup: StepSetup, microbatches: list[tuple[torch.Tensor, torch.Te
                         **_pp_step_kwargs(setup.pp_schedule),
                     )
                 if setup.pp_last_stage:
-                    total += torch.stack([x.detach() for x in losses]).sum()
+                    total = total + torch.stack([x.detach() for x in losses]).sum()
     return total
 
 
@@ -113,11 +114,13 @@ def clip_grad_norm_(
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not norms:  # e.g. a pipeline stage without gradients still joins the PP reduction
-        norm = torch.zeros((), device=parameters[0].device if parameters else None)
+        # in the other stages' dtype (the weights'): the all-reduce below needs one dtype
+        dtype = at_least_float32(parameters[0]).dtype if parameters else None
+        norm = torch.zeros((), device=parameters[0].device if parameters else None, dtype=dtype)
     elif len(norms) == 1:
         norm = norms[0]
     else:
-        norm = torch.stack([n.float() for n in norms]).norm()
+        norm = torch.stack([at_least_float32(n) for n in norms]).norm()
     if pp_group is not None:
         norm = norm**2
         dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=pp_group)
