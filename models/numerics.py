@@ -10,3 +10,8 @@ def at_least_float32(x: torch.Tensor) -> torch.Tensor:
     loss), or in its own dtype where that is wider: a float64 run (the exact-arithmetic parity
     mode) must not round to float32 anywhere."""
     return x if x.dtype == torch.float64 else x.float()
+
+
+def at_least_float32_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype `at_least_float32` gives a tensor of `dtype`."""
+    return torch.promote_types(dtype, torch.float32)

@@ -244,11 +244,11 @@ MUTANTS = [
     ),
     Mutant(
         "ep_expert_grads_divided_twice",
-        "EP: the sum reduction is forced on one shard rank too, where FSDP2 then divides the "
-        "experts' gradients twice",
+        "EP: on one shard rank FSDP2 divides the experts' gradients by the DP degree and the "
+        "hook divides them again",
         "parallelisms/fsdp.py",
-        'if mesh.size(mesh.ndim - 1) > 1 and hasattr(module, "set_force_sum_reduction_for_comms")',
-        'if hasattr(module, "set_force_sum_reduction_for_comms")',
+        "    module.set_gradient_divide_factor(1.0)\n",
+        "    module.set_gradient_divide_factor(factor)\n",
         (f"{MOE_PARITY}[ep2]",),
     ),
     Mutant(

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from models.numerics import at_least_float32
+from models.numerics import at_least_float32, at_least_float32_dtype
 from parallelisms.context_parallel import SequenceSplit
 
 
@@ -70,7 +70,10 @@ def train_step(setup: StepSetup, microbatches: list[tuple[torch.Tensor, torch.Te
     """Forward and backward over every micro-step, each (inputs, labels, model keyword
     arguments) as `sequence_inputs` gives them; returns this rank's mean loss (a tensor, zero
     on pipeline stages that do not compute the loss). No host sync happens here."""
-    total = torch.zeros((), device=microbatches[0][0].device)  # a float64 loss promotes it
+    # the loss's dtype on every rank (float64 in the float64 mode): pipeline stages without
+    # the loss join the logged loss's all-reduce with this zero, and need the same dtype
+    weights = next(setup.model_parts[0].parameters()).dtype
+    total = torch.zeros((), device=microbatches[0][0].device, dtype=at_least_float32_dtype(weights))
     for i, (inputs, labels, kwargs) in enumerate(microbatches):
         _set_grad_sync(setup.model_parts, i == len(microbatches) - 1)
         with setup.loss_context():
@@ -78,7 +81,7 @@ def train_step(setup: StepSetup, microbatches: list[tuple[torch.Tensor, torch.Te
                 with setup.autocast():
                     loss = setup.loss_fn(setup.model_parts[0](inputs, **kwargs), labels)
                 loss.backward()
-                total = total + loss.detach()
+                total += loss.detach()
             else:
                 args, target, losses = pipeline_call(setup, inputs, labels)
                 with setup.autocast():  # the schedule runs the backward passes itself
@@ -91,7 +94,7 @@ def train_step(setup: StepSetup, microbatches: list[tuple[torch.Tensor, torch.Te
                         **_pp_step_kwargs(setup.pp_schedule),
                     )
                 if setup.pp_last_stage:
-                    total = total + torch.stack([x.detach() for x in losses]).sum()
+                    total += torch.stack([x.detach() for x in losses]).sum()
     return total
 
 
@@ -115,7 +118,7 @@ def clip_grad_norm_(
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not norms:  # e.g. a pipeline stage without gradients still joins the PP reduction
         # in the other stages' dtype (the weights'): the all-reduce below needs one dtype
-        dtype = at_least_float32(parameters[0]).dtype if parameters else None
+        dtype = at_least_float32_dtype(parameters[0].dtype) if parameters else None
         norm = torch.zeros((), device=parameters[0].device if parameters else None, dtype=dtype)
     elif len(norms) == 1:
         norm = norms[0]

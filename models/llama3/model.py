@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.attention import ScaledDotProductAttention
-from models.numerics import at_least_float32
+from models.numerics import at_least_float32, at_least_float32_dtype
 
 
 @dataclass
@@ -205,7 +205,7 @@ class Transformer(nn.Module):
     def init_buffers(self, device: torch.device | str) -> None:
         """Fills the non-persistent RoPE table (after `to_empty` from the meta device), in the
         dtype the model was built or cast in (at least float32)."""
-        dtype = at_least_float32(self.rope).dtype
+        dtype = at_least_float32_dtype(self.rope.dtype)
         self.rope = rope_table(self.args, torch.device(device), dtype)
 
     def init_param(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.attention import ScaledDotProductAttention
-from models.numerics import at_least_float32
+from models.numerics import at_least_float32, at_least_float32_dtype
 
 
 @dataclass
@@ -164,7 +164,7 @@ class Qwen3(nn.Module):
 
     def init_buffers(self, device: torch.device | str) -> None:
         """The RoPE table in the dtype the model was built or cast in (at least float32)."""
-        dtype = at_least_float32(self.rope).dtype
+        dtype = at_least_float32_dtype(self.rope.dtype)
         self.rope = rope_table(self.args, torch.device(device), dtype)
 
     def init_param(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
