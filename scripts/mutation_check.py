@@ -306,6 +306,14 @@ MUTANTS = [
         "tokens = t.local_batch_size * t.seq_len * accum_steps",
         (f"{CP_PARITY}[llama_cp4_accum]",),
     ),
+    Mutant(
+        "fp64_loss_in_float32",
+        "float64 mode: the loss rounds the logits to float32 (~1e-7 noise back in every layout)",
+        "training/loss.py",
+        "    logits = at_least_float32(logits.flatten(0, 1))\n",
+        "    logits = logits.flatten(0, 1).float()\n",
+        ("tests/unit/test_float64.py::test_float64_model_computes_in_float64_only",),
+    ),
 ]
 
 
