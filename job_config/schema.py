@@ -127,11 +127,15 @@ class Training:
     )
     steps: int = opt(10000, "Optimizer steps to train", ge=1)
     max_norm: float = opt(1.0, "Clip gradients to this global L2 norm (0 = no clipping)", ge=0)
-    mixed_precision_param: Literal["auto", "bfloat16", "float32"] = opt(
-        "auto", "Compute/parameter dtype under FSDP: auto = bfloat16 on CUDA, float32 on CPU"
+    mixed_precision_param: Literal["auto", "bfloat16", "float32", "float64"] = opt(
+        "auto",
+        "Compute/parameter dtype under FSDP: auto = bfloat16 on CUDA, float32 on CPU; float64 "
+        "= the exact-arithmetic parity mode (weights, compute, optimizer state in float64)",
     )
-    mixed_precision_reduce: Literal["float32", "bfloat16"] = opt(
-        "float32", "Gradient reduction dtype under FSDP"
+    mixed_precision_reduce: Literal["auto", "float32", "bfloat16", "float64"] = opt(
+        "auto",
+        "Gradient reduction dtype under FSDP/ZeRO: auto = float64 with float64 "
+        "parameters, else float32",
     )
     device: Literal["auto", "cuda", "cpu"] = opt("auto", "auto = CUDA when present, else CPU")
     enable_cpu_offload: bool = opt(False, "Keep FSDP parameters/grads/optimizer state on host")

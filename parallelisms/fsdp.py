@@ -127,11 +127,18 @@ def _reshard_unit(role: str, last_block: bool, mode: str, pp_enabled: bool) -> b
 def _divide_gradients_by(module: nn.Module, mesh: DeviceMesh, factor: float) -> None:
     """The unit's reduced gradients are divided by `factor` instead of the FSDP group size.
     Over several shard ranks they are summed, then divided (gloo has no PREMUL_SUM, which FSDP2
-    would use otherwise). Over one shard rank no reduce-scatter runs and FSDP2 divides the
-    copy it makes by `factor`; forcing a sum there would divide a second time (torch 2.13)."""
-    module.set_gradient_divide_factor(factor)
-    if mesh.size(mesh.ndim - 1) > 1 and hasattr(module, "set_force_sum_reduction_for_comms"):
-        module.set_force_sum_reduction_for_comms(True)
+    would use otherwise). Over one shard rank no reduce-scatter runs, and FSDP2 (torch 2.13)
+    divides the copy it makes by `factor`, then, in a reduce dtype other than float32/bfloat16
+    (float64), by its own pre- and post-division factors again: `factor` squared. So there
+    FSDP2 only sums (factor 1: no division in any dtype) and a hook divides once, after the
+    HSDP all-reduce where there is one (forcing a sum would also divide twice)."""
+    if mesh.size(mesh.ndim - 1) > 1:
+        module.set_gradient_divide_factor(factor)
+        if hasattr(module, "set_force_sum_reduction_for_comms"):
+            module.set_force_sum_reduction_for_comms(True)
+        return
+    module.set_gradient_divide_factor(1.0)
+    module.set_all_reduce_hook(lambda reduced: reduced.div_(factor))
 
 
 def _no_regather_in_backward(embeddings: list[nn.Module]) -> None:

@@ -1,7 +1,8 @@
 """Materialise a meta-device model on its device and initialise it identically under every
 layout: each parameter's full value is drawn from its own generator (seeded by the run seed
-and the parameter's name), then each rank keeps its shard. Any DP/TP/PP layout therefore
-starts from bit-identical weights, with no seed checkpoint needed.
+and the parameter's name; in float32 whatever the parameter's dtype, then cast), then each rank
+keeps its shard. Any DP/TP/PP layout therefore starts from bit-identical weights, with no
+seed checkpoint needed.
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ def init_weights(model: nn.Module, seed: int, device: torch.device | str | None 
         local = param.to_local() if isinstance(param, DTensor) else param
         where = local.device if device is None else torch.device(device)
         gen = torch.Generator(device=where).manual_seed(param_seed(seed, name))
-        full = torch.empty(param.shape, dtype=param.dtype, device=where)
+        # drawn in float32 whatever the parameter's dtype, then cast by the copy: a float64
+        # run (the parity mode) starts from exactly the float32 run's weights
+        full = torch.empty(param.shape, dtype=torch.float32, device=where)
         model.init_param(name, full, gen)
         copy_full_into(param, full)
 

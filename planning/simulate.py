@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from parallelisms.mixed_precision import mixed_precision_dtypes
+from parallelisms.mixed_precision import in_weight_dtype, mixed_precision_dtypes
 from parallelisms.parallel_dims import ParallelDims
 from planning.communication import Experts
 from planning.memory import GIB, rank_activations
@@ -258,7 +258,7 @@ def _parallelized_parts(spec, model_args, cfg, dims: ParallelDims) -> list[nn.Mo
     """The model parts this rank holds after the trainer's parallelize (or pipeline) step,
     on the meta device; needs the rank's process group and `dims`' mesh."""
     with torch.device("meta"):
-        model = spec.model_cls(model_args)
+        model = in_weight_dtype(spec.model_cls(model_args), cfg.training)
     if dims.pp_enabled:
         parts, _, _, _ = spec.pipeline_fn(
             model, dims, cfg, torch.device("meta"), lambda out, target: out.sum()

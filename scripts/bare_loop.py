@@ -29,9 +29,10 @@ def build_model(cfg, args):
 
     from models import get_model_spec
     from parallelisms.init_weights import init_weights
+    from parallelisms.mixed_precision import in_weight_dtype
 
-    with torch.device("meta"):
-        model = get_model_spec(cfg.model.name).model_cls(args)
+    with torch.device("meta"):  # float64 weights in the float64 mode, as train.py's
+        model = in_weight_dtype(get_model_spec(cfg.model.name).model_cls(args), cfg.training)
     model.to_empty(device="cpu")
     with torch.no_grad():
         init_weights(model, cfg.debug.seed)
@@ -45,6 +46,8 @@ def train(cfg, model, vocab: int, dtype, out) -> None:
     import torch
     import torch.nn.functional as F
 
+    from models.numerics import at_least_float32
+
     t, o = cfg.training, cfg.optimizer
     opt = torch.optim.AdamW(
         model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
@@ -57,9 +60,9 @@ def train(cfg, model, vocab: int, dtype, out) -> None:
         t0 = time.perf_counter()
         batch = data[step]
         inputs, labels = batch[:, :-1], batch[:, 1:]
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != params[0].dtype):
             logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+        loss = F.cross_entropy(at_least_float32(logits.flatten(0, 1)), labels.flatten(0, 1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, t.max_norm, foreach=True)
         opt.step()

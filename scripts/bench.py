@@ -201,7 +201,7 @@ def measure_peak(
 
     from metrics.peak_flops import cpu_bf16_flags, lookup_gpu_peak, measure_matmul_flops
 
-    name_of = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+    name_of = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float64: "fp64"}
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name(0)
         dev = torch.device("cuda", 0)

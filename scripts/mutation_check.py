@@ -244,11 +244,11 @@ MUTANTS = [
     ),
     Mutant(
         "ep_expert_grads_divided_twice",
-        "EP: the sum reduction is forced on one shard rank too, where FSDP2 then divides the "
-        "experts' gradients twice",
+        "EP: on one shard rank FSDP2 divides the experts' gradients by the DP degree and the "
+        "hook divides them again",
         "parallelisms/fsdp.py",
-        'if mesh.size(mesh.ndim - 1) > 1 and hasattr(module, "set_force_sum_reduction_for_comms")',
-        'if hasattr(module, "set_force_sum_reduction_for_comms")',
+        "    module.set_gradient_divide_factor(1.0)\n",
+        "    module.set_gradient_divide_factor(factor)\n",
         (f"{MOE_PARITY}[ep2]",),
     ),
     Mutant(
@@ -305,6 +305,14 @@ MUTANTS = [
         "tokens = t.local_batch_size * (t.seq_len // cp) * accum_steps",
         "tokens = t.local_batch_size * t.seq_len * accum_steps",
         (f"{CP_PARITY}[llama_cp4_accum]",),
+    ),
+    Mutant(
+        "fp64_loss_in_float32",
+        "float64 mode: the loss rounds the logits to float32 (~1e-7 noise back in every layout)",
+        "training/loss.py",
+        "    logits = at_least_float32(logits.flatten(0, 1))\n",
+        "    logits = logits.flatten(0, 1).float()\n",
+        ("tests/unit/test_float64.py::test_float64_model_computes_in_float64_only",),
     ),
 ]
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from dist_utils import SELECTED_ITEMS, read_records
+from dist_utils import SELECTED_ITEMS, Run, read_records
 
 from scripts.loss_compare import compare, read_metric
 
@@ -64,6 +64,14 @@ MOE_FP32 = dataclasses.replace(FP32, loss=2e-5, grad_norm=3e-4, weights=2e-2, we
 # relative, per step, on the loads and the aux loss: measured 2e-6 without a flip; one
 # token's choice moves the load of its two experts by 1/64 (256 tokens x 2 over 8 experts)
 ROUTER_TOL = 2e-2
+# float64 (`training.mixed_precision_param = "float64"`, tests/integration/test_fp64_parity.py):
+# weights, compute, reductions and optimizer state in float64, so layouts differ only by the
+# order of float64 additions; every family (Llama, Qwen3, Qwen3-MoE) against one process.
+# Measured worst over the 9 layouts (2026-12-02, 8 steps): loss 4.4e-16 (Qwen3 FSDP 2), grad
+# norm 2.9e-15, final weights 6.5e-13 element-wise (Llama TP 2 x FSDP 2, wv) and 4.4e-14
+# norm-wise; the router loads equal. Kept at 1e-10, over 100x that: one float32 rounding
+# anywhere (~1e-7), or one token routed to another expert, is far above it.
+FP64 = Tolerance(loss=1e-10, grad_norm=1e-10, weights=1e-10, weights_norm=1e-10)
 # Exact resume: the same layout continues bit for bit.
 EXACT = Tolerance(loss=0.0, grad_norm=0.0, weights=0.0, weights_norm=0.0)
 
@@ -119,10 +127,13 @@ def assert_weights(ref_folder: Path, folder: Path, tol: Tolerance, step: int = S
 
 
 def assert_parity(ref: Path, run: Path, tol: Tolerance, *, first: int = 1, step: int = STEPS):
-    """Loss and gradient norm at every step from `first`, then the final weights."""
+    """Loss and gradient norm at every step from `first`, then the final weights; returns the
+    worst differences seen (loss, grad_norm and `weight_diff`'s)."""
+    worst = {}
     for key, t in (("loss", tol.loss), ("grad_norm", tol.grad_norm)):
-        assert_series(by_step(ref, key, first=first), by_step(run, key, first=first), key, t)
-    assert_weights(ref, run, tol, step)
+        ours, theirs = by_step(ref, key, first=first), by_step(run, key, first=first)
+        worst[key] = assert_series(ours, theirs, key, t)
+    return worst | assert_weights(ref, run, tol, step)
 
 
 # --- which runs the selected tests need ------------------------------------------------------
@@ -144,6 +155,14 @@ def selected_runs(request, names, needs: dict, *depends: dict) -> set[str]:
         if more <= want:
             return want
         want |= more
+
+
+def family_runs(base: Path, want: set[str], common: list[str], references: dict, layouts: dict):
+    """The runs of `want`: one-process references (name: arguments) and layouts (name: (ranks,
+    arguments, reference)), each in `base / name` with the `common` arguments first."""
+    todo = [Run(n, base / n, 1, [*common, *a]) for n, a in references.items() if n in want]
+    todo += [Run(n, base / n, k, [*common, *a]) for n, (k, a, _) in layouts.items() if n in want]
+    return todo
 
 
 # --- the layout a run must have built -------------------------------------------------------
@@ -289,9 +308,9 @@ def moe_local_blocks(nproc: int, args: list[str], n_layers: int) -> int | None:
     return layers * (attention // (tp * shards) + moe // shards)
 
 
-def assert_router_parity(ref, run, first: int = 1) -> None:
+def assert_router_parity(ref, run, first: int = 1, tol: float = ROUTER_TOL) -> None:
     """The expert loads and the load-balancing loss of every step equal the reference's."""
     for key in ("max_load", "min_load", "aux_loss", "bias_drift"):
         want = {r["step"]: r[key] for r in read_records(ref, "router") if r["step"] >= first}
         got = {r["step"]: r[key] for r in read_records(run, "router") if r["step"] >= first}
-        assert_series(want, got, f"router {key}", ROUTER_TOL)
+        assert_series(want, got, f"router {key}", tol)

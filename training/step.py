@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from models.numerics import at_least_float32, at_least_float32_dtype
 from parallelisms.context_parallel import SequenceSplit
 
 
@@ -69,7 +70,10 @@ def train_step(setup: StepSetup, microbatches: list[tuple[torch.Tensor, torch.Te
     """Forward and backward over every micro-step, each (inputs, labels, model keyword
     arguments) as `sequence_inputs` gives them; returns this rank's mean loss (a tensor, zero
     on pipeline stages that do not compute the loss). No host sync happens here."""
-    total = torch.zeros((), device=microbatches[0][0].device)
+    # the loss's dtype on every rank (float64 in the float64 mode): pipeline stages without
+    # the loss join the logged loss's all-reduce with this zero, and need the same dtype
+    weights = next(setup.model_parts[0].parameters()).dtype
+    total = torch.zeros((), device=microbatches[0][0].device, dtype=at_least_float32_dtype(weights))
     for i, (inputs, labels, kwargs) in enumerate(microbatches):
         _set_grad_sync(setup.model_parts, i == len(microbatches) - 1)
         with setup.loss_context():
@@ -113,11 +117,13 @@ def clip_grad_norm_(
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not norms:  # e.g. a pipeline stage without gradients still joins the PP reduction
-        norm = torch.zeros((), device=parameters[0].device if parameters else None)
+        # in the other stages' dtype (the weights'): the all-reduce below needs one dtype
+        dtype = at_least_float32_dtype(parameters[0].dtype) if parameters else None
+        norm = torch.zeros((), device=parameters[0].device if parameters else None, dtype=dtype)
     elif len(norms) == 1:
         norm = norms[0]
     else:
-        norm = torch.stack([n.float() for n in norms]).norm()
+        norm = torch.stack([at_least_float32(n) for n in norms]).norm()
     if pp_group is not None:
         norm = norm**2
         dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=pp_group)

@@ -24,7 +24,7 @@ from parallelisms.compile import maybe_compile_loss
 from parallelisms.context_parallel import SequenceSplit, apply_context_parallel
 from parallelisms.init_weights import materialize
 from parallelisms.layout_record import built_layout, summarize, write_layout
-from parallelisms.mixed_precision import mixed_precision_dtypes
+from parallelisms.mixed_precision import in_weight_dtype, mixed_precision_dtypes, weight_dtype
 from parallelisms.parallel_dims import ParallelDims, log_mesh
 from training.distributed import (
     init_process_group,
@@ -54,9 +54,11 @@ def load_tokenizer(cfg: JobConfig):
 
 
 def meta_model(cfg: JobConfig, model_args) -> nn.Module:
-    """The whole model on the meta device: shapes only, nothing allocated."""
+    """The whole model on the meta device: shapes only, nothing allocated; its weights in
+    the run's weight dtype (float64 in the float64 mode), before any parallelism sees them."""
     with torch.device("meta"):
-        return get_model_spec(cfg.model.name).model_cls(model_args)
+        model = get_model_spec(cfg.model.name).model_cls(model_args)
+    return in_weight_dtype(model, cfg.training)
 
 
 def build_model_parts(cfg, parallel_dims, model_args, device, loss_fn, model=None):
@@ -101,7 +103,8 @@ def layout_forward_contexts(cfg: JobConfig, parallel_dims: ParallelDims, device_
     the compute dtype where no FSDP/ZeRO casts the weights (one GPU, TP- or PP-only layouts),
     which gives the same bf16 compute over fp32 weights."""
     compute_dtype = mixed_precision_dtypes(cfg.training, device_type)[0]
-    autocast = not parallel_dims.data_parallel_enabled and compute_dtype != torch.float32
+    weights = weight_dtype(cfg.training)  # float64 weights compute in float64: no autocast
+    autocast = not parallel_dims.data_parallel_enabled and compute_dtype != weights
     return forward_contexts(
         parallel_dims.tp_enabled and not cfg.parallelism.disable_loss_parallel,
         compute_dtype if autocast else None,

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.attention import ScaledDotProductAttention
+from models.numerics import at_least_float32, at_least_float32_dtype
 
 
 @dataclass
@@ -70,8 +71,9 @@ class ModelArgs:
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
 
-def rope_frequencies(args: ModelArgs) -> torch.Tensor:
-    """Inverse frequencies theta^(-2i/d), with Llama 3.1 scaling of the low frequencies."""
+def rope_frequencies(args: ModelArgs, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse frequencies theta^(-2i/d), with Llama 3.1 scaling of the low frequencies
+    (computed in float64, returned in `dtype`)."""
     d = args.head_dim
     inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     if args.use_scaled_rope:
@@ -82,13 +84,16 @@ def rope_frequencies(args: ModelArgs) -> torch.Tensor:
         scaled = torch.where(wavelen > low_wavelen, inv_freq / scale, inv_freq)
         mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
         inv_freq = torch.where(mid, (1 - smooth) * inv_freq / scale + smooth * inv_freq, scaled)
-    return inv_freq.float()
+    return inv_freq.to(dtype)
 
 
-def rope_table(args: ModelArgs, device: torch.device | None = None) -> torch.Tensor:
-    """[max_seq_len, head_dim // 2, 2] table of (cos, sin) per position and frequency."""
-    inv_freq = rope_frequencies(args).to(device)
-    t = torch.arange(args.max_seq_len, device=device, dtype=torch.float32)
+def rope_table(
+    args: ModelArgs, device: torch.device | None = None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """[max_seq_len, head_dim // 2, 2] table of (cos, sin) per position and frequency, in
+    `dtype` (float32; float64 for a float64 model)."""
+    inv_freq = rope_frequencies(args, dtype).to(device)
+    t = torch.arange(args.max_seq_len, device=device, dtype=dtype)
     angles = torch.outer(t, inv_freq)
     return torch.stack([angles.cos(), angles.sin()], dim=-1)
 
@@ -100,7 +105,7 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     or [batch, seq, head_dim // 2, 2] (each token's own row).
     """
     table = table[: x.shape[1]] if table.dim() == 3 else table
-    pairs = x.float().unflatten(-1, (-1, 2))
+    pairs = at_least_float32(x).unflatten(-1, (-1, 2))
     cos = table[..., None, :, 0]
     sin = table[..., None, :, 1]
     a, b = pairs[..., 0], pairs[..., 1]
@@ -198,8 +203,10 @@ class Transformer(nn.Module):
         return self.output(h) if self.output is not None else h
 
     def init_buffers(self, device: torch.device | str) -> None:
-        """Fills the non-persistent RoPE table (after `to_empty` from the meta device)."""
-        self.rope = rope_table(self.args, torch.device(device))
+        """Fills the non-persistent RoPE table (after `to_empty` from the meta device), in the
+        dtype the model was built or cast in (at least float32)."""
+        dtype = at_least_float32_dtype(self.rope.dtype)
+        self.rope = rope_table(self.args, torch.device(device), dtype)
 
     def init_param(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         """Initialises the full (unsharded) value of parameter `name` in place.

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.attention import ScaledDotProductAttention
+from models.numerics import at_least_float32, at_least_float32_dtype
 
 
 @dataclass
@@ -50,12 +51,15 @@ class Qwen3Args:
         return self.n_kv_heads
 
 
-def rope_table(args: Qwen3Args, device: torch.device | None = None) -> torch.Tensor:
-    """[max_seq_len, head_dim // 2, 2] table of (cos, sin) per position and frequency."""
+def rope_table(
+    args: Qwen3Args, device: torch.device | None = None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """[max_seq_len, head_dim // 2, 2] table of (cos, sin) per position and frequency, in
+    `dtype` (float32; float64 for a float64 model)."""
     d = args.head_dim
     inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     t = torch.arange(args.max_seq_len, dtype=torch.float64)
-    angles = torch.outer(t, inv_freq).float().to(device)
+    angles = torch.outer(t, inv_freq).to(device=device, dtype=dtype)
     return torch.stack([angles.cos(), angles.sin()], dim=-1)
 
 
@@ -64,7 +68,7 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     Llama's `apply_rope`: [>= seq, head_dim // 2, 2] or one row per token [batch, seq, ...]."""
     table = table[: x.shape[1]] if table.dim() == 3 else table
     cos, sin = table[..., None, :, 0], table[..., None, :, 1]
-    a, b = x.float().chunk(2, dim=-1)
+    a, b = at_least_float32(x).chunk(2, dim=-1)
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1).type_as(x)
 
 
@@ -159,7 +163,9 @@ class Qwen3(nn.Module):
         return self.output(h) if self.output is not None else h
 
     def init_buffers(self, device: torch.device | str) -> None:
-        self.rope = rope_table(self.args, torch.device(device))
+        """The RoPE table in the dtype the model was built or cast in (at least float32)."""
+        dtype = at_least_float32_dtype(self.rope.dtype)
+        self.rope = rope_table(self.args, torch.device(device), dtype)
 
     def init_param(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         """Unit norm weights; every matrix (embeddings included, which the output may share)

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.numerics import at_least_float32
 from models.qwen3.model import Attention, Qwen3
 
 
@@ -111,7 +112,9 @@ def _grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> t
         x = x.to(torch.get_autocast_dtype(x.device.type))
     w = w.to(x.dtype)
     grouped = getattr(torch, "_grouped_mm", None)
-    usable = x.device.type == "cpu" or x.dtype == torch.bfloat16
+    # CPU: float32/bfloat16/float16 (not float64); CUDA: bfloat16 only
+    cpu_ok = x.device.type == "cpu" and x.dtype != torch.float64
+    usable = cpu_ok or x.dtype == torch.bfloat16
     if grouped is not None and usable and _aligned(x) and _aligned(w):
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         return grouped(x, w, offs=offs)
@@ -186,8 +189,9 @@ class MoE(nn.Module):
         self.loss_scale = 1.0  # set by the trainer: 1 / its token-loss normaliser
 
     def route(self, x: torch.Tensor):
-        """(router logits fp32 [T, E], scores [T, E], chosen experts [T, k], weights [T, k])."""
-        logits = self.router(x).float()
+        """(router logits fp32 (fp64 in a float64 model) [T, E], scores [T, E], chosen experts
+        [T, k], weights [T, k])."""
+        logits = at_least_float32(self.router(x))
         scores = logits.softmax(dim=-1)
         chosen = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices
         weights = scores.gather(-1, chosen)
@@ -207,12 +211,12 @@ class MoE(nn.Module):
         the global micro-batch's load-balancing loss for the logs."""
         counts, prob_sums = stats[0], stats[1]
         tokens = counts.sum() / self.top_k  # global tokens of the micro-batch
-        f = (counts / tokens).float()
+        f = (counts / tokens).to(scores.dtype)
         aux = logits.new_zeros(())
         if self.aux_coeff > 0:
             aux = aux + self.aux_coeff * self.n_experts * (f * scores.sum(0)).sum()
             if self.counting and not _in_backward():
-                global_aux = self.n_experts * (f * (prob_sums / tokens).float()).sum()
+                global_aux = self.n_experts * (f * (prob_sums / tokens).to(f.dtype)).sum()
                 self.aux_loss_sum += self.aux_coeff * global_aux.detach()
         if self.z_coeff > 0:
             aux = aux + self.z_coeff * torch.logsumexp(logits, dim=-1).square().sum()
@@ -225,7 +229,7 @@ class MoE(nn.Module):
         if self.training:
             stats = self.global_stats(chosen, scores)
             if self.counting and not _in_backward():
-                self.tokens_per_expert += stats[0].float()
+                self.tokens_per_expert += stats[0].to(self.tokens_per_expert.dtype)
         # Sort the (token, choice) pairs by expert; stable, so the order is the layout's own.
         flat = chosen.flatten()
         order = torch.argsort(flat, stable=True)
@@ -263,10 +267,11 @@ class Qwen3MoE(Qwen3):
 
     def init_buffers(self, device: torch.device | str) -> None:
         super().init_buffers(device)
+        dtype = self.rope.dtype  # the model's (at least float32): float64 in a float64 model
         for moe in self.moe_layers().values():  # on `device`: CPU offload leaves buffers on host
-            moe.expert_bias = torch.zeros(moe.n_experts, device=device)
-            moe.tokens_per_expert = torch.zeros(moe.n_experts, device=device)
-            moe.aux_loss_sum = torch.zeros((), device=device)
+            moe.expert_bias = torch.zeros(moe.n_experts, device=device, dtype=dtype)
+            moe.tokens_per_expert = torch.zeros(moe.n_experts, device=device, dtype=dtype)
+            moe.aux_loss_sum = torch.zeros((), device=device, dtype=dtype)
 
     def init_param(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         """Qwen3's rules (unit norms, std-0.02 matrices, router included); the experts' [E, out,

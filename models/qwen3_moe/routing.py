@@ -56,7 +56,7 @@ def layer_stats(model_parts: list[nn.Module]) -> dict[str, dict[str, float]]:
             continue
         mean = counts.mean().clamp_min(1e-9)
         values = torch.stack([
-            counts.max() / mean, counts.min() / mean, moe.last_aux.float(),
+            counts.max() / mean, counts.min() / mean, moe.last_aux,
             moe.expert_bias.abs().max(), moe.idle_steps.max(),
         ]).tolist()  # fmt: skip
         out[key] = dict(zip(("max_load", "min_load", "aux_loss", "bias_drift", "idle"), values))

@@ -17,6 +17,7 @@ from parity import (
     STEPS,
     assert_layout,
     assert_parity,
+    family_runs,
     selected_runs,
 )
 
@@ -65,8 +66,7 @@ def runs(request, tmp_path_factory):
     refs |= {name: "tied_fsdp2" for name in RESUMED}
     needs = {"test_tied_reference_has_one_matrix": ["tied"], "test_resume_and_reshard": RESUMED}
     want = selected_runs(request, LAYOUTS, needs, refs, {"tied_fsdp2": "tied"})
-    todo = [Run(n, base / n, 1, COMMON + a) for n, a in REFERENCES.items() if n in want]
-    todo += [Run(n, base / n, k, COMMON + a) for n, (k, a, _) in LAYOUTS.items() if n in want]
+    todo = family_runs(base, want, COMMON, REFERENCES, LAYOUTS)
     saved = base / "tied_fsdp2" / "checkpoint" / "step-10"
     load = ["--checkpoint.initial_load_path", str(saved)]
     load += ["--checkpoint.initial_load_model_only", "false"]
