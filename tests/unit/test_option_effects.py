@@ -66,7 +66,8 @@ PLAIN = "plain text " * 40
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, str]:
     """A byte-level tokenizer (ids = UTF-8 bytes), the same with one merge ("ab"), and two
-    JSON-lines corpora (the first with a second text field)."""
+    corpus folders: `docs` (JSON lines with a `text` and a `body` field, and a text file, the
+    one the text reader takes there) and `docs2` (other JSON lines)."""
     root = tmp_path_factory.mktemp("option_files")
 
     def tokenizer(name: str, merges: list[bytes]) -> str:
@@ -334,8 +335,8 @@ def saved_steps(saves: range) -> Callable[[Case], list[str]]:
 
 
 def async_pending(case: Case) -> tuple[bool, bool]:
-    """(whether the save of step 1 was still in flight when `maybe_save` returned, whether
-    it is complete after `close`)."""
+    """(whether the save of step 1 was still in flight when `save` returned, whether it is
+    complete after `close`)."""
     manager, _, _ = checkpointed(case, close=False)
     manager.save(1)
     pending = manager.pending is not None
@@ -350,9 +351,9 @@ def export_dtype(case: Case) -> str:
 
 
 def resumed(case: Case) -> tuple:
-    """A first run (in `<dump>/first`, its own folder the same as the run's unless the probed
-    option points elsewhere) saves steps 1 and 2 with moved weights; the run then resumes:
-    (what it loaded, its step, its weights moved) or the error it refused with."""
+    """A first run saves step 2 with its weights moved by +1, in the run's own folder (in the
+    folder `checkpoint.initial_load_path` names, when set); the run then starts: (its step,
+    whether its weights are the moved ones) or the type of the error it refused with."""
     cfg, path = case.cfg, case.cfg.checkpoint.initial_load_path
     first = dataclasses.replace(
         cfg,
@@ -372,8 +373,8 @@ def resumed(case: Case) -> tuple:
         manager, state, parts = checkpointed(case)
     except Exception as e:  # noqa: BLE001
         return type(e).__name__
-    moved = next(parts[0].parameters()).flatten()[0].item() > 0.5
-    return state.step, moved
+    moved = torch.cat([p.detach().flatten() for p in parts[0].parameters()]).mean() > 0.5
+    return state.step, bool(moved)
 
 
 def seed_checkpoint_or_dry_run(case: Case) -> tuple:
