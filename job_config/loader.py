@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import functools
 import sys
 import types
 import typing
@@ -71,7 +72,9 @@ def _fields(obj_or_cls: Any) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(obj_or_cls)}
 
 
+@functools.cache
 def _type_hints(cls: type) -> dict[str, Any]:
+    """A section's resolved field types (typing.get_type_hints is slow: once per class)."""
     return typing.get_type_hints(cls)
 
 

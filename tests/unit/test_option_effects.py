@@ -116,8 +116,19 @@ def base_argv(files: dict[str, str], dump: Path) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------- probes
+_TOKENIZERS: dict[str, Any] = {}
+
+
+def tokenizer(case: Case):
+    """`load_tokenizer` of the case's config, loaded once per file."""
+    path = case.cfg.model.tokenizer_path
+    if path not in _TOKENIZERS:
+        _TOKENIZERS[path] = load_tokenizer(case.cfg)
+    return _TOKENIZERS[path]
+
+
 def vocab(case: Case) -> int:
-    return load_tokenizer(case.cfg).vocab_size
+    return tokenizer(case).vocab_size
 
 
 def model(case: Case) -> torch.nn.Module:
@@ -248,7 +259,7 @@ def clipped_norm(case: Case) -> float:
 
 def batch(case: Case, split: str = "train") -> tuple:
     """(shape, first 12 token ids) of the first batch of the loader `build_run` reads."""
-    train_loader, val_loader = build_loaders(case.cfg, load_tokenizer(case.cfg), 0, 1)
+    train_loader, val_loader = build_loaders(case.cfg, tokenizer(case), 0, 1)
     inputs, _ = next(iter(train_loader if split == "train" else val_loader))
     return tuple(inputs.shape), inputs[0, :12].tolist()
 
@@ -258,7 +269,7 @@ def model_kwargs(case: Case) -> list[str]:
     with fake_world(1):
         dims = ParallelDims.from_parallelism(case.cfg.parallelism, 1)
         dims.build_mesh("cpu")
-        split = sequence_split(case.cfg, dims, load_tokenizer(case.cfg))
+        split = sequence_split(case.cfg, dims, tokenizer(case))
     inputs = torch.randint(0, 256, (2, 32))
     return sorted(sequence_inputs(split, inputs, inputs)[2])
 
@@ -272,6 +283,8 @@ def runtime(key: str) -> Callable[[Case], Any]:
         try:
             device = start_runtime(case.cfg, dims, 0)
         except RuntimeError as e:
+            if dist.is_initialized():
+                dist.destroy_process_group()
             return type(e).__name__
         try:
             backend = dist.group.WORLD._get_backend(torch.device("cpu"))
@@ -310,7 +323,7 @@ def checkpointed(case: Case, saves: range = range(0), touch: bool = False, close
     each step of `saves` (`touch`: the weights move first). (manager, state, parts)."""
     parts = real_parts(case)
     opt, sched = build_optimizers(case.cfg, parts, "cpu")
-    loader, _ = build_loaders(case.cfg, load_tokenizer(case.cfg), 0, 1)
+    loader, _ = build_loaders(case.cfg, tokenizer(case), 0, 1)
     state = TrainState()
     dims = ParallelDims.from_parallelism(case.cfg.parallelism, 1)
     manager = build_checkpointer(case.cfg, dims, parts, opt, sched, loader, state)
@@ -332,6 +345,11 @@ def saved_steps(saves: range) -> Callable[[Case], list[str]]:
         return sorted(str(p.relative_to(case.dump)) for p in case.dump.glob("**/*step-*"))
 
     return probe
+
+
+def checkpoint_folder(case: Case) -> str:
+    """Where the manager saves and looks for checkpoints, relative to the case's folder."""
+    return str(checkpointed(case)[0].folder.relative_to(case.dump))
 
 
 def async_pending(case: Case) -> tuple[bool, bool]:
@@ -440,9 +458,7 @@ MOE = ("--model.name", "qwen3_moe", "--model.flavor", "debugmodel")
 
 EFFECTS: dict[str, Effect] = {
     # [job]
-    "job.dump_folder": Effect(
-        "{dump}/elsewhere", saved_steps(range(10, 11)), ["elsewhere/checkpoint/step-10"], CKPT
-    ),
+    "job.dump_folder": Effect("{dump}/elsewhere", checkpoint_folder, "elsewhere/checkpoint", CKPT),
     "job.custom_import": Effect(
         "{files}/h_options_probe_module.py", imported, True, ("--job.dry_run", "true")
     ),
@@ -560,9 +576,12 @@ EFFECTS: dict[str, Effect] = {
     ),
     # [checkpoint]
     "checkpoint.enable": Effect("true", lambda c: checkpointed(c)[0] is not None, True),
-    "checkpoint.folder": Effect("ckpts", saved_steps(range(10, 11)), ["ckpts/step-10"], CKPT),
+    "checkpoint.folder": Effect("ckpts", checkpoint_folder, "ckpts", CKPT),
     "checkpoint.interval": Effect(
-        "5", saved_steps(range(1, 11)), ["checkpoint/step-10", "checkpoint/step-5"], CKPT
+        "5",
+        lambda c: [s for s in range(1, 11) if checkpointed(c)[0].due(s)],
+        [5, 10],
+        CKPT,
     ),
     "checkpoint.keep_latest_k": Effect(
         "1",
@@ -624,7 +643,7 @@ EFFECTS: dict[str, Effect] = {
     # [validation]
     "validation.enable": Effect(
         "true",
-        lambda c: build_loaders(c.cfg, load_tokenizer(c.cfg), 0, 1)[1] is not None,
+        lambda c: build_loaders(c.cfg, tokenizer(c), 0, 1)[1] is not None,
         True,
         extra=VAL[2:],
     ),
@@ -776,7 +795,7 @@ def test_resume_restores_every_counter(files, tmp_path):
     case = Case(parse_args(argv), argv, tmp_path)
     parts = real_parts(case)
     opt, sched = build_optimizers(case.cfg, parts, "cpu")
-    loader, _ = build_loaders(case.cfg, load_tokenizer(case.cfg), 0, 1)
+    loader, _ = build_loaders(case.cfg, tokenizer(case), 0, 1)
     data = iter(loader)
     state = TrainState()
     manager = build_checkpointer(case.cfg, None, parts, opt, sched, loader, state)
@@ -807,7 +826,7 @@ def test_resume_restores_every_counter(files, tmp_path):
     torch.manual_seed(99), random.seed(99), np.random.seed(99)  # the resumed run's own seeds
     parts2 = real_parts(Case(parse_args(argv + ["--debug.seed", "5"]), argv, tmp_path))
     opt2, sched2 = build_optimizers(case.cfg, parts2, "cpu")
-    loader2, _ = build_loaders(case.cfg, load_tokenizer(case.cfg), 0, 1)
+    loader2, _ = build_loaders(case.cfg, tokenizer(case), 0, 1)
     state2 = TrainState()
     manager2 = build_checkpointer(case.cfg, None, parts2, opt2, sched2, loader2, state2)
     got_rng = (random.random(), np.random.rand(), torch.rand(1))
