@@ -334,6 +334,15 @@ MUTANTS = [
         (f"{OPTION}[lr_scheduler.warmup_steps]",),
     ),
     Mutant(
+        "fsdp_reduce_dtype_ignored",
+        "FSDP reduces gradients in the compute dtype, not training.mixed_precision_reduce "
+        "(invisible to fp32 parity runs, where both are float32)",
+        "parallelisms/fsdp.py",
+        "MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)",
+        "MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=param_dtype)",
+        (f"{OPTION}[training.mixed_precision_reduce]",),
+    ),
+    Mutant(
         "tokens_seen_not_restored",
         "resume: the tokens-seen counter is not restored (restarts from 0)",
         "training/loop.py",
