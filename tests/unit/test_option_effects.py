@@ -22,6 +22,7 @@ import dataclasses
 import io
 import json
 import logging
+import random
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from types import SimpleNamespace
 from typing import Any
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -67,7 +69,7 @@ PLAIN = "plain text " * 40
 def files(tmp_path_factory) -> dict[str, str]:
     """A byte-level tokenizer (ids = UTF-8 bytes), the same with one merge ("ab"), and two
     corpus folders: `docs` (JSON lines with a `text` and a `body` field, and a text file, the
-    one the text reader takes there) and `docs2` (other JSON lines)."""
+    one the text reader takes there) and `docs2` (other JSON lines); a module to import."""
     root = tmp_path_factory.mktemp("option_files")
 
     def tokenizer(name: str, merges: list[bytes]) -> str:
@@ -84,7 +86,10 @@ def files(tmp_path_factory) -> dict[str, str]:
     (docs / "docs.jsonl").write_text("".join(records))
     (docs / "docs.txt").write_text(PLAIN)  # what the text reader reads in the same folder
     (docs2 / "docs.jsonl").write_text("".join(json.dumps({"text": d[::-1]}) + "\n" for d in DOCS))
+    module = root / "h_options_probe_module.py"  # job.custom_import's
+    module.write_text("LOADED = True\n")
     return {
+        "probe_module": str(module),
         "tok": tokenizer("bytes.model", []),
         "tok_merge": tokenizer("merge.model", [b"ab"]),
         "docs": str(docs),
@@ -451,7 +456,7 @@ DIFFERS = object()  # the expected observation: anything but the base's
 
 @dataclass(frozen=True)
 class Effect:
-    value: str  # the changed value, as typed on the command line ({files} and {dump} filled)
+    value: str  # the changed value, as typed on the command line ({dump} and `files` filled)
     probe: Callable[[Case], Any]
     expect: Any = DIFFERS  # the changed config's observation, or a function of its Case
     base: tuple[str, ...] = ()  # options the base needs for this one to count
@@ -474,9 +479,7 @@ MOE = ("--model.name", "qwen3_moe", "--model.flavor", "debugmodel")
 EFFECTS: dict[str, Effect] = {
     # [job]
     "job.dump_folder": Effect("{dump}/elsewhere", checkpoint_folder, "elsewhere/checkpoint", CKPT),
-    "job.custom_import": Effect(
-        "{files}/h_options_probe_module.py", imported, True, ("--job.dry_run", "true")
-    ),
+    "job.custom_import": Effect("{probe_module}", imported, True, ("--job.dry_run", "true")),
     "job.dry_run": Effect("true", seed_checkpoint_or_dry_run, ("NoneType", True, False, [])),
     "job.simulate_world_size": Effect(
         "2", seed_checkpoint_or_dry_run, ("NoneType", True, True, []), ("--job.dry_run", "true")
@@ -727,7 +730,7 @@ def schema_options() -> set[str]:
 
 def _case(files, root: Path, name: str, argv: list[str]) -> Case:
     dump = root / name
-    fill = {**files, "files": str(root), "dump": str(dump)}
+    fill = {**files, "dump": str(dump)}
     argv = [a.format(**fill) for a in argv]
     return Case(parse_args(argv), argv, dump)
 
@@ -735,7 +738,6 @@ def _case(files, root: Path, name: str, argv: list[str]) -> Case:
 @pytest.mark.parametrize("option", sorted(EFFECTS))
 def test_option_takes_effect(option, files, tmp_path):
     effect = EFFECTS[option]
-    (tmp_path / "h_options_probe_module.py").write_text("LOADED = True\n")
     argv = lambda dump: base_argv(files, dump) + list(effect.base)  # noqa: E731
     base = _case(files, tmp_path, "base", argv(tmp_path / "base"))
     changed = _case(
@@ -789,10 +791,6 @@ def test_resume_restores_every_counter(files, tmp_path):
     resumed run's losses, gradient norms and weights continue exactly, which needs the model,
     optimizer, schedule, loader position and step; they cannot see tokens_seen (a logged count)
     or the RNG streams (dropout-free training draws nothing after the initialisation)."""
-    import random
-
-    import numpy as np
-
     assert COMPONENTS == ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
     argv = base_argv(files, tmp_path) + [
         "--checkpoint.enable",
