@@ -97,6 +97,17 @@ def files(tmp_path_factory) -> dict[str, str]:
     }
 
 
+@pytest.fixture(scope="module")
+def token_cache(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("token_cache"))
+
+
+@pytest.fixture(autouse=True)
+def _private_token_cache(token_cache, monkeypatch):
+    """The loaders' token caches go to a temporary folder, not the repository's `.cache`."""
+    monkeypatch.setenv("MESHTRAIN_CACHE", token_cache)
+
+
 def stream(texts: list[str]) -> list[int]:
     """The byte tokenizer's token stream of these documents (BOS 256, EOS 257)."""
     return [t for text in texts for t in (256, *text.encode(), 257)]
