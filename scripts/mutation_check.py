@@ -36,6 +36,8 @@ MOE_PARITY = "tests/integration/test_moe_parity.py::test_moe_layout_matches_one_
 MOE_UNIT = "tests/unit/test_moe.py"
 CP_PARITY = "tests/integration/test_cp_parity.py::test_cp_layout_matches_one_process"
 CP_UNIT = "tests/unit/test_context_parallel.py"
+OPTION = "tests/unit/test_option_effects.py::test_option_takes_effect"
+RESUME = "tests/unit/test_option_effects.py::test_resume_restores_every_counter"
 
 
 @dataclass(frozen=True)
@@ -313,6 +315,56 @@ MUTANTS = [
         "    logits = at_least_float32(logits.flatten(0, 1))\n",
         "    logits = logits.flatten(0, 1).float()\n",
         ("tests/unit/test_float64.py::test_float64_model_computes_in_float64_only",),
+    ),
+    Mutant(
+        "betas_beta1_twice",
+        "AdamW built with betas = (beta1, beta1): optimizer.beta2 never reaches the optimizer "
+        "(one process and every layout share the bug, so parity cannot see it)",
+        "training/optimizer.py",
+        '"betas": (cfg.beta1, cfg.beta2),',
+        '"betas": (cfg.beta1, cfg.beta1),',
+        (f"{OPTION}[optimizer.beta2]",),
+    ),
+    Mutant(
+        "eps_dropped",
+        "optimizer.eps not passed to AdamW (torch's default 1e-8 used whatever is configured)",
+        "training/optimizer.py",
+        '        "eps": cfg.eps,\n',
+        "",
+        (f"{OPTION}[optimizer.eps]",),
+    ),
+    Mutant(
+        "warmup_ignored",
+        "the LR schedule ignores lr_scheduler.warmup_steps (no warmup)",
+        "training/optimizer.py",
+        "s + 1, total_steps, cfg.warmup_steps, cfg.decay_ratio,",
+        "s + 1, total_steps, 0, cfg.decay_ratio,",
+        (f"{OPTION}[lr_scheduler.warmup_steps]",),
+    ),
+    Mutant(
+        "fsdp_reduce_dtype_ignored",
+        "FSDP reduces gradients in the compute dtype, not training.mixed_precision_reduce "
+        "(invisible to fp32 parity runs, where both are float32)",
+        "parallelisms/fsdp.py",
+        "MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)",
+        "MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=param_dtype)",
+        (f"{OPTION}[training.mixed_precision_reduce]",),
+    ),
+    Mutant(
+        "tokens_seen_not_restored",
+        "resume: the tokens-seen counter is not restored (restarts from 0)",
+        "training/loop.py",
+        'self.tokens_seen = int(state["tokens_seen"])',
+        "self.tokens_seen = self.tokens_seen",
+        (RESUME,),
+    ),
+    Mutant(
+        "rng_not_restored",
+        "resume: the RNG streams are not restored (the run's own seeding continues)",
+        "checkpoint/state.py",
+        '        set_rng_state(sd["rng"][f"rank{rank}"])\n',
+        "        pass\n",
+        (RESUME,),
     ),
 ]
 

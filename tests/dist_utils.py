@@ -13,6 +13,7 @@ kept beside it, and `Run.output` starts with a line saying so.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import signal
@@ -34,6 +35,20 @@ TINY_SHAPE = [
     "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4",
     "--model.n_kv_heads", "2",
 ]  # fmt: skip
+
+
+@contextlib.contextmanager
+def fake_world(world: int, rank: int = 0):
+    """This process as `rank` of a `fake` process group of `world` ranks (no communication,
+    collectives of the real sizes), for unit tests that build real meshes and layouts."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 @dataclass

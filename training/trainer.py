@@ -236,6 +236,13 @@ def build_loaders(cfg: JobConfig, tokenizer, dp_rank: int, dp_degree: int):
     return train_loader, val_loader
 
 
+def build_optimizers(cfg: JobConfig, model_parts: list[nn.Module], device_type: str):
+    """(optimizer, LR scheduler) of the run: `[optimizer]` over every local model part, the
+    `[lr_scheduler]` schedule over `training.steps` optimizer steps."""
+    optimizer = build_optimizer(model_parts, cfg.optimizer, device_type)
+    return optimizer, build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
+
+
 def build_checkpointer(cfg, parallel_dims, model_parts, optimizer, lr_scheduler, loader, state):
     """The checkpoint manager, with the latest checkpoint (if any) loaded; None if disabled."""
     if not cfg.checkpoint.enable:
@@ -318,8 +325,7 @@ def build_run(cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, local_r
     warn_if_warmup_too_long(cfg)
     train_loader, val_loader = build_loaders(cfg, tokenizer, dp_rank, dp_degree)
     model_parts = built[0]
-    optimizer = build_optimizer(model_parts, cfg.optimizer, device.type)
-    lr_scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
+    optimizer, lr_scheduler = build_optimizers(cfg, model_parts, device.type)
     state = TrainState()
     checkpointer = build_checkpointer(
         cfg, parallel_dims, model_parts, optimizer, lr_scheduler, train_loader, state

@@ -10,11 +10,9 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
-from dist_utils import TINY_SHAPE
+from dist_utils import TINY_SHAPE, fake_world
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.distributed.tensor.placement_types import _StridedShard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from job_config import parse_args
@@ -58,15 +56,6 @@ def _cfg(extra: str = ""):
 
 def _args(cfg):
     return build_model_args(cfg.model.name, cfg.model.flavor, 32, None, arg_overrides(cfg.model))
-
-
-@contextlib.contextmanager
-def fake_world(world: int):
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 class CommCounter(TorchDispatchMode):
