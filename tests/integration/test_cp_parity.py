@@ -1,9 +1,10 @@
 """Context parallelism trains exactly like one process: every sequence split over 2 or 4 CP
 ranks (load-balanced chunks, global RoPE positions, K/V all-gathered in every layer), alone and
 with FSDP, TP and PP, with and without document masking, for Llama and Qwen3, and for the MoE
-family once. The harness of `tests/parity.py`: loss and gradient norm at every step, final
-weights, and the layout built (a "cp" mesh dimension, every block's attention swapped for the
-context-parallel one, the weights sharded over the data-parallel and CP ranks together).
+family twice (alone, and with PP, compile and per-op AC at once). The harness of
+`tests/parity.py`: loss and gradient norm at every step, final weights, and the layout built
+(a "cp" mesh dimension, every block's attention swapped for the context-parallel one, the
+weights sharded over the data-parallel and CP ranks together).
 
 Features ride along where they cost no extra launch: gradient accumulation on CP 4, full
 activation checkpointing on CP 2 x FSDP 2 (the recomputed forward gathers K/V again), compile
@@ -70,9 +71,19 @@ LAYOUTS["qwen3_cp2"][1].extend(COMPILE)  # 2 ranks compile: half the gcc work of
 MOE = ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel",
        "--model.moe_aux_loss_coeff", "0.01", "--optimizer.lr", "1e-3"]  # fmt: skip
 LAYOUTS["moe_cp2_doc"] = (2, [*MOE, *cp(2), *DOC], "moe_doc")
+# Every feature at once on 4 ranks: PP x CP, compile (the MoE blocks' attention, so the K/V
+# gathers run in a compiled region inside an eager per-op checkpoint) and per-op AC. The
+# load-balancing loss is off (under PP it is taken over a pipeline microbatch, not the
+# reference's batch); the per-token z-loss instead.
+Z_LOSS = ["--model.moe_aux_loss_coeff", "0", "--model.moe_z_loss_coeff", "0.001"]
+AC_OP = ["--activation_checkpoint.mode", "selective",
+         "--activation_checkpoint.selective_ac_option", "op"]  # fmt: skip
+LAYOUTS["moe_cp2_pp2_compile_ac_op"] = (4, [*MOE, *Z_LOSS, *cp(2), *PP2, *COMPILE, *AC_OP],
+                                        "moe_z")  # fmt: skip
 REFERENCES = {f"{f}{d}": [*args, *(DOC if d else [])] for f, args in FAMILIES.items()
               for d in ("", "_doc")}  # fmt: skip
 REFERENCES["moe_doc"] = [*MOE, *DOC]
+REFERENCES["moe_z"] = [*MOE, *Z_LOSS]
 # resumed from llama_cp2_doc's step-10 checkpoint: name -> (ranks, layout arguments)
 SAVER = "llama_cp2_doc"
 RESUMED = {
