@@ -52,15 +52,17 @@ def qwen3_moe_tp_plan(loss_parallel: bool) -> TPPlan:
 
 def qwen3_moe_fsdp_units(model: nn.Module, parallel_dims: ParallelDims) -> list[FsdpUnit]:
     """Qwen3's units; under EP each block's experts first, sharded over the ranks outside EP,
-    their reduced gradients divided by the whole DP degree (they sum the EP group's tokens)."""
+    their reduced gradients divided by the whole DP x CP degree (they sum the EP group's
+    tokens; the dense weights' gradients are averaged over the DP and CP ranks)."""
     units = embed_blocks_head_units(
         model, ["tok_embeddings"], ["norm", "output"], model.args.tie_embeddings
     )
     if not parallel_dims.ep_enabled:
         return units
     mesh = fsdp_mesh(parallel_dims, "dp_shard_mod_ep")
+    divide = parallel_dims.dp * parallel_dims.cp
     experts = [
-        FsdpUnit([moe.experts], "experts", mesh=mesh, gradient_divide_factor=parallel_dims.dp)
+        FsdpUnit([moe.experts], "experts", mesh=mesh, gradient_divide_factor=divide)
         for moe in moe_layers([model]).values()
     ]
     return experts + units
