@@ -59,9 +59,11 @@ def apply_data_parallel(
             pp_enabled=parallel_dims.pp_enabled,
             pin_memory=device_type == "cuda",
         )
+    # CP ranks hold other tokens of the same sequences: their gradients are averaged (and
+    # ZeRO-1/2 shards spread) over them as over the data-parallel ranks
     return apply_zero(
         model,
-        parallel_dims.dim("dp"),
+        parallel_dims.dim("dp_cp"),
         stage,
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype,

@@ -146,12 +146,6 @@ class ParallelDims:
                 "expert parallelism shards the experts with FSDP2 over the ranks outside EP. "
                 "Use zero_stage = 3."
             )
-        if cp > 1 and zero_stage != 3:
-            problems.add(
-                f"parallelism.context_parallel_degree = {cp} with zero_stage = {zero_stage}: "
-                "the CP ranks' gradients are averaged by FSDP2, which shards the weights over "
-                "the data-parallel and CP ranks together. Use zero_stage = 3."
-            )
         problems.raise_any()
         return cls(dp_replicate, dp_shard, tp, pp, world_size, zero_stage, ep, cp)
 

@@ -1,10 +1,10 @@
 """Context parallelism trains exactly like one process: every sequence split over 2 or 4 CP
 ranks (load-balanced chunks, global RoPE positions, K/V all-gathered in every layer), alone and
-with FSDP, TP and PP, with and without document masking, for Llama and Qwen3, and for the MoE
-family twice (CP alone, and EP 2 drawn from CP 2 x FSDP 2). The harness of `tests/parity.py`:
-loss and gradient norm at every step, final weights, and the layout built (a "cp" mesh
-dimension, every block's attention swapped for the context-parallel one, the weights sharded
-over the data-parallel and CP ranks together).
+with FSDP, TP and PP, with and without document masking, for Llama and Qwen3, with ZeRO-1/2
+for Llama, and for the MoE family twice (CP alone, and EP 2 drawn from CP 2 x FSDP 2). The
+harness of `tests/parity.py`: loss and gradient norm at every step, final weights, and the
+layout built (a "cp" mesh dimension, every block's attention swapped for the context-parallel
+one, the weights sharded over the data-parallel and CP ranks together).
 
 Features ride along where they cost no extra launch: gradient accumulation on CP 4, full
 activation checkpointing on CP 2 x FSDP 2 (the recomputed forward gathers K/V again), compile
@@ -68,6 +68,10 @@ LAYOUTS = {
     for doc in ("", "_doc")
 }
 LAYOUTS["qwen3_cp2"][1].extend(COMPILE)  # 2 ranks compile: half the gcc work of 4
+# ZeRO 0-2 average the gradients (and ZeRO-1/2 shard the masters) over the CP ranks too
+ZERO = "--parallelism.zero_stage"
+LAYOUTS["llama_cp2_zero1"] = (2, [*cp(2), ZERO, "1"], "llama")
+LAYOUTS["llama_cp2_zero2_doc"] = (4, [*cp(2), ZERO, "2", LB, "4", *DOC], "llama_doc")
 MOE = ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel",
        "--model.moe_aux_loss_coeff", "0.01", "--optimizer.lr", "1e-3"]  # fmt: skip
 LAYOUTS["moe_cp2_doc"] = (2, [*MOE, *cp(2), *DOC], "moe_doc")
