@@ -14,6 +14,9 @@ Adam; bytes per rank after a step):
            (HSDP on the 2-D (dp_replicate, dp_shard) mesh: N = dp_shard; replicas only,
            i.e. dp_shard = 1, is plain DDP = stage 0)
 
+N counts the CP ranks too (they average gradients like data ranks); under TP, Psi is the
+rank's TP shard, which stages 1-3 split over the N data-parallel ranks.
+
 Why stages 1-2 are not FSDP2 with resharding disabled: FSDP2 always keeps its sharded
 parameter *and* the all-gathered unsharded one, so `reshard_after_forward=False` +
 `set_reshard_after_backward(False)` holds 4 Psi + 4 Psi / N of parameters; in fp32 the extra
@@ -61,10 +64,13 @@ def apply_data_parallel(
         )
     # CP ranks hold other tokens of the same sequences: their gradients are averaged (and
     # ZeRO-1/2 shards spread) over them as over the data-parallel ranks
+    dp = parallel_dims.dim_name("dp_cp")
     return apply_zero(
         model,
-        parallel_dims.dim("dp_cp"),
+        parallel_dims.mesh[dp],
         stage,
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype,
+        # under TP the masters of TP shards live on (dp, tp) (FSDP2's layout over TP)
+        dp_tp_mesh=parallel_dims.mesh[(dp, "tp")] if parallel_dims.tp_enabled else None,
     )

@@ -121,12 +121,6 @@ class ParallelDims:
                 f"{dp_replicate}: HSDP (replicate x shard) is ZeRO-3 only. Use "
                 "data_parallel_shard_degree for ZeRO-0/1/2, or zero_stage = 3."
             )
-        if zero_stage in (1, 2) and tp > 1 and dp_shard > 1:
-            problems.add(
-                f"parallelism.zero_stage = {zero_stage} with tensor_parallel_degree = {tp}: "
-                "ZeRO-1/2 shard plain replicated parameters, not TP-sharded ones. Use "
-                "zero_stage = 3 (FSDP over TP) or 0 (DDP over TP)."
-            )
         if ep > 1 and cp > 1 and ep % cp:
             problems.add(
                 f"parallelism.expert_parallel_degree = {ep} with context_parallel_degree = "

@@ -75,6 +75,9 @@ LAYOUTS = {
     "tp2": (2, {TP: 2}),
     "tp2_fsdp2": (4, {TP: 2, LB: 4}),
     "tp2_ddp2_no_loss_parallel": (4, {**z(0), TP: 2, LB: 4, NO_LOSS_PARALLEL: "true"}),
+    # ZeRO-1/2 split each TP shard's rows over the data-parallel ranks (masters on (dp, tp))
+    "tp2_zero1": (4, {**z(1), TP: 2, LB: 4}),
+    "tp2_zero2_accum": (4, {**z(2), TP: 2, LB: 2, GB: 8}),
     "fsdp2_offload_accum": (2, {LB: 2, GB: 8, "training__enable_cpu_offload": "true"}),
     # Compile: TP 2 first, then TP 2 x FSDP 2, which finds the block graphs in the inductor
     # cache instead of running gcc again on every rank at once.
