@@ -74,3 +74,24 @@ def apply_data_parallel(
         # under TP the masters of TP shards live on (dp, tp) (FSDP2's layout over TP)
         dp_tp_mesh=parallel_dims.mesh[(dp, "tp")] if parallel_dims.tp_enabled else None,
     )
+
+
+def apply_expert_zero(
+    experts: nn.Module, parallel_dims: ParallelDims, job_config, device_type: str
+) -> nn.Module:
+    """ZeRO stages 0-2 for expert-parallel experts (DTensors on "ep", from `apply_ep`), applied
+    before `apply_data_parallel`: replicated over the ranks outside EP ("dp_shard_mod_ep"),
+    their gradients averaged there but divided by the whole DP x CP degree (they hold the sum
+    over the EP group's tokens), stages 1-2 splitting each rank's experts over those ranks
+    (masters on ("dp_shard_mod_ep", "ep"), FSDP2's layout of the experts)."""
+    param_dtype, reduce_dtype = mixed_precision_dtypes(job_config.training, device_type)
+    mesh = parallel_dims.mesh
+    return apply_zero(
+        experts,
+        mesh["dp_shard_mod_ep"],
+        parallel_dims.zero_stage,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        dp_tp_mesh=mesh[("dp_shard_mod_ep", "ep")],
+        divide_by=parallel_dims.dp * parallel_dims.cp,
+    )

@@ -134,12 +134,6 @@ class ParallelDims:
                 f"degree {dp_shard} x context_parallel_degree {cp} (EP ranks are drawn from the "
                 "FSDP shard and CP ranks). Choose an EP degree that divides it, or more ranks."
             )
-        if ep > 1 and zero_stage != 3:
-            problems.add(
-                f"parallelism.expert_parallel_degree = {ep} with zero_stage = {zero_stage}: "
-                "expert parallelism shards the experts with FSDP2 over the ranks outside EP. "
-                "Use zero_stage = 3."
-            )
         problems.raise_any()
         return cls(dp_replicate, dp_shard, tp, pp, world_size, zero_stage, ep, cp)
 

@@ -94,8 +94,8 @@ class _Layout:
         tp_mesh, tp_placements = param.device_mesh, tuple(param.placements)
         if dp_tp_mesh is None or tp_mesh.mesh_dim_names != dp_tp_mesh.mesh_dim_names[1:]:
             raise ZeroError(
-                f"ZeRO stages 1-2 shard plain parameters, or TP shards given the (dp, tp) "
-                f"mesh; this one is a DTensor on {tp_mesh.mesh_dim_names}."
+                f"ZeRO stages 1-2 shard plain parameters, or TP / EP shards given the (dp, tp) "
+                f"or (dp, ep) mesh; this one is a DTensor on {tp_mesh.mesh_dim_names}."
             )
         # the TP shards of dim 0 that the data-parallel split interleaves with (FSDP2's rule)
         split = 1
@@ -153,6 +153,7 @@ class ZeroState:
     dp_tp_mesh: DeviceMesh | None  # stages 1-2 under TP: the 2-D mesh of the TP masters
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
+    divide: int  # the reduced gradients' divisor (the mesh size, unless told otherwise)
     params: list[_Param] = field(default_factory=list)
     sync: bool = True  # reduce gradients in this backward (off for accumulation micro-steps)
     dirty: bool = True  # rebuilt: refresh the compute parameters at the next forward
@@ -339,7 +340,7 @@ class ZeroState:
         work, reduced, _, copied = p.pending
         p.pending = None
         work.wait()
-        reduced.div_(self.world)
+        reduced.div_(self.divide)
         self._set_master_grad(p, reduced, copied)
 
     @torch.no_grad()
@@ -431,18 +432,27 @@ def apply_zero(
     param_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype = torch.float32,
     dp_tp_mesh: DeviceMesh | None = None,
+    divide_by: int | None = None,
 ) -> nn.Module:
     """Data parallelism with ZeRO stage 0 (DDP), 1 or 2 over the 1-D `dp_mesh`. Under TP,
     `dp_tp_mesh` is the 2-D (dp, tp) mesh: stages 1-2 split each TP shard over the
-    data-parallel ranks, their masters DTensors on it (stage 0 keeps the TP parameters)."""
+    data-parallel ranks, their masters DTensors on it (stage 0 keeps the TP parameters); the
+    same holds for expert-parallel experts on (dp, "ep"). `divide_by`: the gradients' divisor
+    instead of the `dp_mesh` size. A ZeRO-wrapped submodule (experts wrapped first) keeps its
+    own parameters."""
     if stage not in (0, 1, 2):
         raise ZeroError(f"apply_zero handles ZeRO stages 0-2, not {stage} (stage 3 is FSDP).")
     if dp_mesh.ndim != 1:
         raise ZeroError("ZeRO stages 0-2 need a 1-D data-parallel mesh (no HSDP).")
-    state = ZeroState(stage, dp_mesh, dp_tp_mesh, param_dtype, reduce_dtype)
+    state = ZeroState(
+        stage, dp_mesh, dp_tp_mesh, param_dtype, reduce_dtype, divide_by or dp_mesh.size()
+    )
     _LIVE.add(state)
     seen = set()
+    inner = {id(m) for sub in model.modules() if isinstance(sub, ZeroModule) for m in sub.modules()}
     for module in model.modules():
+        if id(module) in inner:
+            continue
         for name, param in module.named_parameters(recurse=False):
             if id(param) in seen:
                 raise ZeroError("ZeRO stages 0-2 do not support shared (tied) parameters.")
@@ -452,6 +462,7 @@ def apply_zero(
     model.__class__ = type(f"ZeRO{stage}{cls.__name__}", (ZeroModule, cls), {})
     model._zero = state
     state.materialize()
-    model.register_forward_pre_hook(state.pre_forward)
+    # first: other pre-forward hooks (expert parallelism's dispatch) see the compute parameters
+    model.register_forward_pre_hook(state.pre_forward, prepend=True)
     model.register_forward_hook(state.post_forward)
     return model

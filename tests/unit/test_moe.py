@@ -222,17 +222,6 @@ def _ep_cp(ep: int, cp: int) -> list[str]:
         ([*MOE_CLI, "--parallelism.expert_parallel_degree", "3"], 6, "must divide the 8 experts"),
         ([*MOE_CLI, "--parallelism.expert_parallel_degree", "4"], 2, "must divide the data-"),
         (
-            [
-                *MOE_CLI,
-                "--parallelism.expert_parallel_degree",
-                "2",
-                "--parallelism.zero_stage",
-                "2",
-            ],
-            2,
-            "Use zero_stage = 3",
-        ),  # fmt: skip
-        (
             [*MOE_CLI, *_ep_cp(2, 4), "--training.seq_len", "32"],
             8,
             "EP degree must be a multiple of the CP degree",
