@@ -21,8 +21,9 @@ its backward (or are recomputed with activation checkpointing).
 
 Everything else composes through the mesh: the CP ranks of a replica read the same sequences
 (they share one data-parallel coordinate), the weights are identical on them and FSDP shards
-over "dp_shard_cp", which also averages their gradients; each rank's loss is its tokens' mean
-and the average over "dp_cp" is the global token mean, as all ranks hold as many tokens.
+over "dp_shard_cp" (ZeRO 0-2 over "dp_cp"), which also averages their gradients; each rank's
+loss is its tokens' mean and the average over "dp_cp" is the global token mean, as all ranks
+hold as many tokens.
 """
 
 from __future__ import annotations

@@ -15,6 +15,9 @@ Adam; bytes per rank after a step):
            only, dp_shard = 1, FSDP2 shards over one rank and all-reduces over the replicas:
            DDP's memory, and tied parameters stay in one unit, which stages 0-2 cannot do)
 
+N counts the CP ranks too (they average gradients like data ranks); under TP, Psi is the
+rank's TP shard, which stages 1-3 split over the N data-parallel ranks.
+
 Why stages 1-2 are not FSDP2 with resharding disabled: FSDP2 always keeps its sharded
 parameter *and* the all-gathered unsharded one, so `reshard_after_forward=False` +
 `set_reshard_after_backward(False)` holds 4 Psi + 4 Psi / N of parameters; in fp32 the extra
@@ -58,10 +61,36 @@ def apply_data_parallel(
             pp_enabled=parallel_dims.pp_enabled,
             pin_memory=device_type == "cuda",
         )
+    # CP ranks hold other tokens of the same sequences: their gradients are averaged (and
+    # ZeRO-1/2 shards spread) over them as over the data-parallel ranks
+    dp = parallel_dims.dim_name("dp_cp")
     return apply_zero(
         model,
-        parallel_dims.dim("dp"),
+        parallel_dims.mesh[dp],
         stage,
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype,
+        # under TP the masters of TP shards live on (dp, tp) (FSDP2's layout over TP)
+        dp_tp_mesh=parallel_dims.mesh[(dp, "tp")] if parallel_dims.tp_enabled else None,
+    )
+
+
+def apply_expert_zero(
+    experts: nn.Module, parallel_dims: ParallelDims, job_config, device_type: str
+) -> nn.Module:
+    """ZeRO stages 0-2 for expert-parallel experts (DTensors on "ep", from `apply_ep`), applied
+    before `apply_data_parallel`: replicated over the ranks outside EP ("dp_shard_mod_ep"),
+    their gradients averaged there but divided by the whole DP x CP degree (they hold the sum
+    over the EP group's tokens), stages 1-2 splitting each rank's experts over those ranks
+    (masters on ("dp_shard_mod_ep", "ep"), FSDP2's layout of the experts)."""
+    param_dtype, reduce_dtype = mixed_precision_dtypes(job_config.training, device_type)
+    mesh = parallel_dims.mesh
+    return apply_zero(
+        experts,
+        mesh["dp_shard_mod_ep"],
+        parallel_dims.zero_stage,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        dp_tp_mesh=mesh[("dp_shard_mod_ep", "ep")],
+        divide_by=parallel_dims.dp * parallel_dims.cp,
     )

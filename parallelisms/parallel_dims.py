@@ -12,16 +12,21 @@ Context parallelism (cp > 1) splits every sequence over the "cp" ranks of one da
 replica (see parallelisms/context_parallel.py). It sits inside the data dimensions and outside
 "tp": TP's per-layer collectives are the more frequent, so TP keeps the nearest ranks.
 
-Expert parallelism (ep > 1) draws its ranks from the data-parallel shard ranks: "dp_shard" is
-built as ("dp_shard_mod_ep", "ep") and flattened back to "dp_shard", so every dense
-parallelism sees the same "dp_shard" (and "dp", "dp_shard_tp") as without EP. "ep" is the
-inner of the two: the EP ranks are neighbours (one node at ep x tp <= 8 GPUs per node), where
+Expert parallelism (ep > 1) draws its ranks from the data-parallel shard and CP ranks, the
+innermost ep of dp_shard x cp (torchtitan's rule). Without CP, "dp_shard" is built as
+("dp_shard_mod_ep", "ep") and flattened back to "dp_shard"; with CP (ep a multiple of cp) it
+is built as ("dp_shard_mod_ep", "dp_shard_in_ep") and "ep" is the flattened ("dp_shard_in_ep",
+"cp"): every CP rank of a sequence is in one EP group. Either way every dense parallelism sees
+the same "dp_shard" (and "dp", "dp_shard_cp", "dp_shard_tp") as without EP. "ep" is the
+inner part: the EP ranks are neighbours (one node at ep x tp <= 8 GPUs per node), where
 the all-to-alls, the heaviest traffic of an MoE step, run on the fastest links. Why the data
-ranks: EP ranks must hold different tokens (each sends its own to the experts' owners), which
-data-parallel ranks do and TP ranks (which share their tokens) do not. The experts are then
-sharded by FSDP over "dp_shard_mod_ep" (kept in the mesh even at size 1, so the experts always
-have that mesh), the dense weights over all of "dp_shard". Likewise "dp_shard" stays at size 1
-next to "dp_replicate" (HSDP over replicas only, without CP): FSDP2 needs its 2-D mesh.
+and CP ranks: EP ranks must hold different tokens (each sends its own to the experts' owners),
+which data-parallel and CP ranks do and TP ranks (which share their tokens) do not. The
+experts are then sharded by FSDP over "dp_shard_mod_ep" = dp_shard x cp / ep (kept in the
+mesh even at size 1, so the experts always have that mesh; so is "dp_shard_in_ep"), the dense
+weights over all of "dp_shard_cp".
+Likewise "dp_shard" stays at size 1 next to "dp_replicate" (HSDP over replicas only, without
+CP): FSDP2 needs its 2-D mesh.
 """
 
 from __future__ import annotations
@@ -38,13 +43,25 @@ logger = logging.getLogger("meshtrain")
 
 
 # Flattened dimensions and the mesh dimensions they join (those present, in this order).
+# "ep" is a mesh dimension without CP and joins ("dp_shard_in_ep", "cp") with it.
+_SHARD = ("dp_shard_mod_ep", "dp_shard_in_ep", "ep", "dp_shard")
 _FLATTENED = {
-    "dp_shard": ("dp_shard_mod_ep", "ep"),
-    "dp": ("dp_replicate", "dp_shard_mod_ep", "ep", "dp_shard"),
-    "dp_shard_cp": ("dp_shard_mod_ep", "ep", "dp_shard", "cp"),
-    "dp_cp": ("dp_replicate", "dp_shard_mod_ep", "ep", "dp_shard", "cp"),
-    "dp_shard_tp": ("dp_shard_mod_ep", "ep", "dp_shard", "tp"),
+    "dp_shard": _SHARD[:3],
+    "dp": ("dp_replicate", *_SHARD),
+    "dp_shard_cp": (*_SHARD, "cp"),
+    "dp_cp": ("dp_replicate", *_SHARD, "cp"),
+    "dp_shard_tp": (*_SHARD, "tp"),
+    "ep": ("dp_shard_in_ep", "cp"),
 }
+
+
+def _flattened(names) -> dict[str, tuple[str, ...]]:
+    """The flattened dimensions of a mesh with these dimensions: name -> its present parts
+    ("ep" only where it is flattened: EP x CP)."""
+    out = {flat: tuple(n for n in parts if n in names) for flat, parts in _FLATTENED.items()}
+    if "dp_shard_in_ep" not in names:
+        del out["ep"]
+    return out
 
 
 class ParallelismError(ValueError):
@@ -106,35 +123,18 @@ class ParallelDims:
                 f"{dp_replicate}: HSDP (replicate x shard) is ZeRO-3 only. Use "
                 "data_parallel_shard_degree for ZeRO-0/1/2, or zero_stage = 3."
             )
-        if zero_stage in (1, 2) and tp > 1 and dp_shard > 1:
+        if ep > 1 and cp > 1 and ep % cp:
             problems.add(
-                f"parallelism.zero_stage = {zero_stage} with tensor_parallel_degree = {tp}: "
-                "ZeRO-1/2 shard plain replicated parameters, not TP-sharded ones. Use "
-                "zero_stage = 3 (FSDP over TP) or 0 (DDP over TP)."
+                f"parallelism.expert_parallel_degree = {ep} with context_parallel_degree = "
+                f"{cp}: the EP ranks are drawn from the data-parallel shard x CP ranks with all "
+                "CP ranks of a sequence in one EP group, so the EP degree must be a multiple of "
+                "the CP degree. Choose such an EP degree."
             )
-        if ep > 1 and dp_shard != -1 and dp_shard % ep:
+        elif ep > 1 and dp_shard != -1 and (dp_shard * cp) % ep:
             problems.add(
                 f"parallelism.expert_parallel_degree = {ep} must divide the data-parallel shard "
-                f"degree {dp_shard} (EP ranks are drawn from the FSDP shard ranks). Choose an "
-                "EP degree that divides it, or more ranks."
-            )
-        if ep > 1 and zero_stage != 3:
-            problems.add(
-                f"parallelism.expert_parallel_degree = {ep} with zero_stage = {zero_stage}: "
-                "expert parallelism shards the experts with FSDP2 over the ranks outside EP. "
-                "Use zero_stage = 3."
-            )
-        if cp > 1 and zero_stage != 3:
-            problems.add(
-                f"parallelism.context_parallel_degree = {cp} with zero_stage = {zero_stage}: "
-                "the CP ranks' gradients are averaged by FSDP2, which shards the weights over "
-                "the data-parallel and CP ranks together. Use zero_stage = 3."
-            )
-        if cp > 1 and ep > 1:
-            problems.add(
-                f"parallelism.context_parallel_degree = {cp} with expert_parallel_degree = "
-                f"{ep}: context parallelism does not combine with expert parallelism yet. Use "
-                "one of the two (CP works with MoE models at expert_parallel_degree = 1)."
+                f"degree {dp_shard} x context_parallel_degree {cp} (EP ranks are drawn from the "
+                "FSDP shard and CP ranks). Choose an EP degree that divides it, or more ranks."
             )
         problems.raise_any()
         return cls(dp_replicate, dp_shard, tp, pp, world_size, zero_stage, ep, cp)
@@ -183,8 +183,14 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """One `init_device_mesh` call for all named dimensions, plus the flattened views."""
         shard = [("dp_shard", self.dp_shard)]
-        if self.ep_enabled:
+        keep = set()
+        if self.ep_enabled and self.cp_enabled:  # "ep" = ("dp_shard_in_ep", "cp"), flattened
+            in_ep = self.ep // self.cp
+            shard = [("dp_shard_mod_ep", self.dp_shard // in_ep), ("dp_shard_in_ep", in_ep)]
+            keep = {"dp_shard_mod_ep", "dp_shard_in_ep"}
+        elif self.ep_enabled:
             shard = [("dp_shard_mod_ep", self.dp_shard // self.ep), ("ep", self.ep)]
+            keep = {"dp_shard_mod_ep"}
         dims = [
             ("pp", self.pp),
             ("dp_replicate", self.dp_replicate),
@@ -192,15 +198,13 @@ class ParallelDims:
             ("cp", self.cp),
             ("tp", self.tp),
         ]
-        keep = {"dp_shard_mod_ep"} if self.ep_enabled else set()
         if self.dp_replicate > 1 and self.cp == 1:
             # HSDP with one shard rank is still FSDP2 on the 2-D (dp_replicate, dp_shard) mesh
             keep.add("dp_shard")
         names = tuple(n for n, d in dims if d > 1 or n in keep) or ("dp_shard",)
         shape = tuple(d for n, d in dims if d > 1 or n in keep) or (1,)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-        for flat, parts in _FLATTENED.items():
-            present = tuple(n for n in parts if n in names)
+        for flat, present in _flattened(names).items():
             if len(present) > 1:
                 mesh[present]._flatten(flat)
         self.mesh = mesh
@@ -213,7 +217,7 @@ class ParallelDims:
         present = self.mesh.mesh_dim_names or ()
         if name in present:
             return name
-        parts = [p for p in _FLATTENED.get(name, ()) if p in present]
+        parts = _flattened(present).get(name, ())
         if len(parts) == 1:
             return parts[0]
         return name if parts else None

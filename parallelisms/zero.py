@@ -25,6 +25,13 @@ With a lower compute dtype (bf16) the full parameters are bf16 and the masters s
 shards (the paper's fp32 master weights, 4 Psi / N); gradients are reduced in the reduce dtype
 and, being cast copies anyway, only their fp32 shards are kept (stages 1 and 2 alike).
 
+Under tensor parallelism the compute parameter is the TP shard (a DTensor on "tp"), and stages
+1-2 split its local tensor's rows over the data-parallel ranks: the master is a DTensor on the
+2-D (dp, tp) mesh with placements (dp split, *TP placements), the split a `_StridedShard` of
+dim 0 where TP shards dim 0 too: the layout FSDP2 gives its shards of TP parameters, so
+checkpoints, gradient clipping and initialisation see the same tensors as under FSDP x TP.
+Gradients are reduced over the data-parallel ranks only (TP has already completed them).
+
 The master parameters are registered in the module except during forward and backward, when
 the compute parameters are (activation-checkpoint recomputation runs during backward and
 must see them). Gradients are reduced on the micro-steps with `set_requires_gradient_sync`
@@ -43,6 +50,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 # torch >= 2.13 renames the tensor collectives (the old names warn); 2.11 has only the old.
@@ -62,6 +70,56 @@ class ZeroError(ValueError):
     """An unsupported ZeRO configuration, reported before any collective."""
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """Stages 1-2: how a parameter is laid out. `local_shape`: the compute parameter's tensor
+    on this rank (the whole parameter, or its TP shard), whose dim-0 rows are split over the
+    data-parallel ranks. For a TP-sharded parameter (a DTensor on the "tp" mesh) `tp` holds
+    that DTensor's mesh, placements, shape and stride; its master lives on the 2-D
+    (dp, tp) mesh with the data-parallel split of the TP shard as the first placement, the
+    layout FSDP2 gives TP shards (so checkpoints move between ZeRO-1/2 and FSDP over TP)."""
+
+    local_shape: torch.Size
+    shape: torch.Size  # the whole parameter's
+    stride: tuple[int, ...]
+    mesh: DeviceMesh  # of the master: dp, or (dp, tp)
+    placements: tuple[Placement, ...]  # of the master
+    tp: tuple | None = None  # (mesh, placements) of the TP compute parameter
+
+    @classmethod
+    def of(cls, param: torch.Tensor, dp_mesh: DeviceMesh, dp_tp_mesh: DeviceMesh | None):
+        stride = torch.empty(param.shape, device="meta").stride()
+        if not isinstance(param, DTensor):
+            return cls(param.shape, param.shape, stride, dp_mesh, (Shard(0),))
+        tp_mesh, tp_placements = param.device_mesh, tuple(param.placements)
+        if dp_tp_mesh is None or tp_mesh.mesh_dim_names != dp_tp_mesh.mesh_dim_names[1:]:
+            raise ZeroError(
+                f"ZeRO stages 1-2 shard plain parameters, or TP / EP shards given the (dp, tp) "
+                f"or (dp, ep) mesh; this one is a DTensor on {tp_mesh.mesh_dim_names}."
+            )
+        # the TP shards of dim 0 that the data-parallel split interleaves with (FSDP2's rule)
+        split = 1
+        for size, pl in zip(tp_mesh.shape, tp_placements):
+            split *= size if isinstance(pl, Shard) and pl.dim == 0 else 1
+        dp = _StridedShard(0, split_factor=split) if split > 1 else Shard(0)
+        local = param.to_local().shape
+        return cls(local, param.shape, stride, dp_tp_mesh, (dp, *tp_placements),
+                   (tp_mesh, tp_placements))  # fmt: skip
+
+    def compute(self, local: torch.Tensor) -> torch.Tensor:
+        """The compute parameter's value around its local tensor `local` (no copy)."""
+        if self.tp is None:
+            return local
+        mesh, placements = self.tp
+        return DTensor.from_local(local, mesh, placements, shape=self.shape, stride=self.stride)
+
+    def master(self, local: torch.Tensor) -> DTensor:
+        """A master (parameter or gradient) DTensor around this rank's rows `local`."""
+        return DTensor.from_local(
+            local, self.mesh, self.placements, shape=self.shape, stride=self.stride
+        )
+
+
 @dataclass
 class _Param:
     """One parameter's compute/master pair and where it is registered."""
@@ -72,6 +130,7 @@ class _Param:
     compute: nn.Parameter | None = None
     buffer: torch.Tensor | None = None  # stages 1-2: padded flat storage of `compute`
     rows_per_rank: int = 0  # stages 1-2: padded rows of dim 0 each rank owns
+    layout: _Layout | None = None  # stages 1-2
     hook: object | None = None
     pending: tuple | None = None  # in-flight reduction: (work, result, its input, result is a copy)
 
@@ -91,8 +150,10 @@ class ZeroState:
 
     stage: int
     mesh: DeviceMesh
+    dp_tp_mesh: DeviceMesh | None  # stages 1-2 under TP: the 2-D mesh of the TP masters
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
+    divide: int  # the reduced gradients' divisor (the mesh size, unless told otherwise)
     params: list[_Param] = field(default_factory=list)
     sync: bool = True  # reduce gradients in this backward (off for accumulation micro-steps)
     dirty: bool = True  # rebuilt: refresh the compute parameters at the next forward
@@ -143,16 +204,19 @@ class ZeroState:
         self.hooks_installed = True
 
     def _build_sharded(self, p: _Param, master: torch.Tensor) -> None:
-        """Padded full buffer for the compute parameter; the master is rank's rows of it (a
-        view) when dtypes agree, else a separate fp32 shard (mixed precision master weights)."""
-        full_shape = master.shape
+        """Padded full buffer for the compute parameter (its TP shard under TP); the master is
+        rank's rows of it (a view) when dtypes agree, else a separate fp32 shard (mixed
+        precision master weights)."""
+        if p.layout is None:  # first wrap: this rank's rows of the parameter (its TP shard)
+            p.layout = _Layout.of(master, self.mesh, self.dp_tp_mesh)
+        full_shape = p.layout.local_shape
         rows, rest = full_shape[0], full_shape[1:]
         per_rank = -(-rows // self.world)
         row_numel = int(torch.Size(rest).numel())
-        if isinstance(master, DTensor):
+        if p.compute is not None:
             local = master.to_local()
-        else:  # first wrap: this rank's rows of the full parameter
-            flat = master.detach().reshape(-1)
+        else:
+            flat = _local(master).detach().reshape(-1)
             local = self._own_rows(flat, per_rank, rows, rest).clone()
         buffer = torch.empty(
             per_rank * self.world * row_numel, dtype=self.param_dtype, device=local.device
@@ -161,10 +225,10 @@ class ZeroState:
         with torch.no_grad():
             own.copy_(local)
         p.buffer, p.rows_per_rank = buffer, per_rank
-        p.compute = nn.Parameter(buffer[: rows * row_numel].view(full_shape))
+        p.compute = nn.Parameter(p.layout.compute(buffer[: rows * row_numel].view(full_shape)))
         if master.dtype == self.param_dtype:
             local = own
-        p.master = nn.Parameter(self._as_shard(local, full_shape))
+        p.master = nn.Parameter(p.layout.master(local))
         p.module._parameters[p.name] = p.master
 
     def _own_rows(self, flat: torch.Tensor, per_rank: int, rows: int, rest) -> torch.Tensor:
@@ -176,10 +240,6 @@ class ZeroState:
 
     def _valid_rows(self, per_rank: int, rows: int) -> int:
         return max(0, min(per_rank, rows - self.rank * per_rank))
-
-    def _as_shard(self, local: torch.Tensor, full_shape: torch.Size) -> DTensor:
-        stride = torch.empty(full_shape, device="meta").stride()
-        return DTensor.from_local(local, self.mesh, [Shard(0)], shape=full_shape, stride=stride)
 
     # --- forward ----------------------------------------------------------------------------
 
@@ -210,7 +270,7 @@ class ZeroState:
             elif self.stage == 0:
                 p.compute.copy_(p.master)
             else:
-                rows, rest = p.master.shape[0], p.master.shape[1:]
+                rows, rest = p.layout.local_shape[0], p.layout.local_shape[1:]
                 self._own_rows(p.buffer, p.rows_per_rank, rows, rest).copy_(p.master.to_local())
             if self.stage > 0:
                 chunk = p.buffer.numel() // self.world
@@ -246,9 +306,13 @@ class ZeroState:
     def _reduce(self, p: _Param) -> None:
         """Starts the averaging reduction of one gradient (SUM then divide: gloo has no AVG)."""
         grad = p.compute.grad
-        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        if self.stage > 0 and isinstance(grad, DTensor) and grad.placements != p.layout.tp[1]:
+            # a TP gradient in another placement than its weight's (the TP embedding's comes
+            # back Replicate): the weight's rows are what stages 1-2 split
+            grad = grad.redistribute(placements=p.layout.tp[1])
+        local = _local(grad)
         if self.stage == 2:
-            rows = p.compute.shape[0]
+            rows = local.shape[0]
             padded = p.rows_per_rank * self.world
             if padded != rows or local.dtype != self.reduce_dtype:
                 full = local.new_zeros((padded, *local.shape[1:]), dtype=self.reduce_dtype)
@@ -276,7 +340,7 @@ class ZeroState:
         work, reduced, _, copied = p.pending
         p.pending = None
         work.wait()
-        reduced.div_(self.world)
+        reduced.div_(self.divide)
         self._set_master_grad(p, reduced, copied)
 
     @torch.no_grad()
@@ -308,15 +372,15 @@ class ZeroState:
                 )
         else:
             if self.stage == 1:  # this rank's rows of the full all-reduced gradient
-                rows, rest = master.shape[0], master.shape[1:]
+                rows, rest = p.layout.local_shape[0], p.layout.local_shape[1:]
                 local = self._own_rows(reduced.reshape(-1), p.rows_per_rank, rows, rest)
                 if copied or reduced.dtype != master.dtype:
                     local = local.clone()  # a cast: keep only the shard, free the full copy
                 # else `local` is a view that keeps the full gradient alive (ZeRO-1)
                 p.compute.grad = None
             else:
-                local = reduced[: self._valid_rows(p.rows_per_rank, master.shape[0])]
-            local = self._as_shard(local.to(master.dtype), master.shape)
+                local = reduced[: self._valid_rows(p.rows_per_rank, p.layout.local_shape[0])]
+            local = p.layout.master(local.to(master.dtype))
         if master.grad is None:
             master.grad = local
         else:
@@ -367,30 +431,38 @@ def apply_zero(
     *,
     param_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype = torch.float32,
+    dp_tp_mesh: DeviceMesh | None = None,
+    divide_by: int | None = None,
 ) -> nn.Module:
-    """Data parallelism with ZeRO stage 0 (DDP), 1 or 2 over the 1-D `dp_mesh`."""
+    """Data parallelism with ZeRO stage 0 (DDP), 1 or 2 over the 1-D `dp_mesh`. Under TP,
+    `dp_tp_mesh` is the 2-D (dp, tp) mesh: stages 1-2 split each TP shard over the
+    data-parallel ranks, their masters DTensors on it (stage 0 keeps the TP parameters); the
+    same holds for expert-parallel experts on (dp, "ep"). `divide_by`: the gradients' divisor
+    instead of the `dp_mesh` size. A ZeRO-wrapped submodule (experts wrapped first) keeps its
+    own parameters."""
     if stage not in (0, 1, 2):
         raise ZeroError(f"apply_zero handles ZeRO stages 0-2, not {stage} (stage 3 is FSDP).")
     if dp_mesh.ndim != 1:
         raise ZeroError("ZeRO stages 0-2 need a 1-D data-parallel mesh (no HSDP).")
-    state = ZeroState(stage, dp_mesh, param_dtype, reduce_dtype)
+    state = ZeroState(
+        stage, dp_mesh, dp_tp_mesh, param_dtype, reduce_dtype, divide_by or dp_mesh.size()
+    )
     _LIVE.add(state)
     seen = set()
+    inner = {id(m) for sub in model.modules() if isinstance(sub, ZeroModule) for m in sub.modules()}
     for module in model.modules():
+        if id(module) in inner:
+            continue
         for name, param in module.named_parameters(recurse=False):
             if id(param) in seen:
                 raise ZeroError("ZeRO stages 0-2 do not support shared (tied) parameters.")
             seen.add(id(param))
-            if stage > 0 and isinstance(param, DTensor):
-                raise ZeroError(
-                    "ZeRO stages 1-2 shard plain replicated parameters; this one is already a "
-                    "DTensor (tensor parallelism?). Use zero_stage 0 or 3 with TP."
-                )
             state.params.append(_Param(module, name, param))
     cls = type(model)
     model.__class__ = type(f"ZeRO{stage}{cls.__name__}", (ZeroModule, cls), {})
     model._zero = state
     state.materialize()
-    model.register_forward_pre_hook(state.pre_forward)
+    # first: other pre-forward hooks (expert parallelism's dispatch) see the compute parameters
+    model.register_forward_pre_hook(state.pre_forward, prepend=True)
     model.register_forward_hook(state.post_forward)
     return model

@@ -148,7 +148,7 @@ def state_bytes(part: nn.Module) -> tuple[int, int, int, int]:
         else:
             param_b += p.buffer.numel() * pdt
             param_b += 0 if master.dtype == zero.param_dtype else master.numel() * msize
-            shard = p.rows_per_rank * (full // max(1, p.compute.shape[0]))
+            shard = p.rows_per_rank * (full // max(1, _local(p.compute).shape[0]))
             if zero.stage == 1:  # the full reduced gradient stays alive behind the shard view
                 grad_b += full * rdt if zero.reduce_dtype == master.dtype else shard * msize
             else:

@@ -240,7 +240,7 @@ MUTANTS = [
         "EP: the experts' gradients are averaged over the FSDP ranks outside EP only (their sum "
         "over the EP group's tokens is not divided by the whole DP degree)",
         "models/qwen3_moe/parallelize.py",
-        "gradient_divide_factor=parallel_dims.dp)",
+        "gradient_divide_factor=divide)",
         "gradient_divide_factor=None)",
         (f"{MOE_PARITY}[ep2_fsdp2_bias]",),
     ),

@@ -197,10 +197,13 @@ def expected_layout(nproc: int, args: list[str], n_layers: int = 2) -> dict:
     ep = int(o.get("parallelism.expert_parallel_degree", 1))
     cp = int(o.get("parallelism.context_parallel_degree", 1))
     shard = nproc // (tp * pp * rep * cp)
-    # under EP the shard ranks are built as (dp_shard_mod_ep, ep): see parallel_dims.py
-    shard_dims = (
-        (("dp_shard_mod_ep", shard // ep), ("ep", ep)) if ep > 1 else (("dp_shard", shard),)
-    )
+    # under EP the shard ranks are built as (dp_shard_mod_ep, ep), or with CP as
+    # (dp_shard_mod_ep, dp_shard_in_ep) with "ep" the flattened (dp_shard_in_ep, cp): see
+    # parallel_dims.py
+    shard_dims = (("dp_shard", shard),)
+    if ep > 1:
+        inner = "dp_shard_in_ep" if cp > 1 else "ep"
+        shard_dims = (("dp_shard_mod_ep", shard // (ep // cp)), (inner, ep // cp))
     stage = int(o.get("parallelism.zero_stage", 3))
     # FSDP shards over the data-parallel and CP ranks together ("dp_shard_cp")
     # (replicas only, shard * cp == 1, is still FSDP: HSDP over one shard rank)

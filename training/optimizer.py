@@ -6,19 +6,23 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 def param_groups(model_parts: list[nn.Module], weight_decay: float, no_decay: list[str]):
-    """Two groups: decayed weights, and parameters whose name contains a `no_decay` pattern."""
+    """Two groups: decayed weights, and parameters whose name contains a `no_decay` pattern.
+    A group holding both DTensors and plain tensors (expert-parallel experts beside ZeRO-0's
+    plain dense weights) is split in two: fused and foreach kernels take one kind per call."""
     decay, keep = [], []
     for part in model_parts:
         for name, p in part.named_parameters():
             if p.requires_grad:
                 (keep if any(s in name for s in no_decay) else decay).append(p)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": keep, "weight_decay": 0.0},
-    ]
+    groups = []
+    for params, wd in ((decay, weight_decay), (keep, 0.0)):
+        kinds = [[p for p in params if isinstance(p, DTensor) is d] for d in (False, True)]
+        groups += [{"params": k, "weight_decay": wd} for k in (kinds if all(kinds) else [params])]
+    return groups
 
 
 def _fused_adam_devices() -> tuple[str, ...]:

@@ -1,8 +1,10 @@
 """How Qwen3-MoE is parallelized: expert parallelism for the experts, Qwen3's TP plan for
 attention, the routing statistics summed over the data-parallel ranks, FSDP units (the experts
-of each block their own unit under EP), the pipeline cut, and what it cannot run.
+of each block their own unit under EP; under ZeRO 0-2 their own `apply_zero`), the pipeline
+cut, and what it cannot run.
 
-Order: expert parallel -> tensor parallel -> activation checkpointing -> compile -> FSDP2.
+Order: expert parallel -> tensor parallel -> activation checkpointing -> compile -> FSDP2 or
+ZeRO 0-2 (the experts first).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from models.qwen3.parallelize import qwen3_tp_plan, validate_qwen3
 from models.qwen3_moe.routing import moe_layers
 from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.compile import apply_compile
-from parallelisms.data_parallel import apply_data_parallel
+from parallelisms.data_parallel import apply_data_parallel, apply_expert_zero
 from parallelisms.expert_parallel import apply_ep, replicate_experts
 from parallelisms.fsdp import FsdpUnit, embed_blocks_head_units, fsdp_mesh
 from parallelisms.parallel_dims import ParallelDims
@@ -52,15 +54,17 @@ def qwen3_moe_tp_plan(loss_parallel: bool) -> TPPlan:
 
 def qwen3_moe_fsdp_units(model: nn.Module, parallel_dims: ParallelDims) -> list[FsdpUnit]:
     """Qwen3's units; under EP each block's experts first, sharded over the ranks outside EP,
-    their reduced gradients divided by the whole DP degree (they sum the EP group's tokens)."""
+    their reduced gradients divided by the whole DP x CP degree (they sum the EP group's
+    tokens; the dense weights' gradients are averaged over the DP and CP ranks)."""
     units = embed_blocks_head_units(
         model, ["tok_embeddings"], ["norm", "output"], model.args.tie_embeddings
     )
     if not parallel_dims.ep_enabled:
         return units
     mesh = fsdp_mesh(parallel_dims, "dp_shard_mod_ep")
+    divide = parallel_dims.dp * parallel_dims.cp
     experts = [
-        FsdpUnit([moe.experts], "experts", mesh=mesh, gradient_divide_factor=parallel_dims.dp)
+        FsdpUnit([moe.experts], "experts", mesh=mesh, gradient_divide_factor=divide)
         for moe in moe_layers([model]).values()
     ]
     return experts + units
@@ -100,6 +104,9 @@ def parallelize_qwen3_moe(
     if comp.enable and "model" in comp.components:
         # attention only: routing has data-dependent shapes (expert counts, EP splits)
         apply_compile(model, "attention")
+    if parallel_dims.ep_enabled and parallel_dims.zero_stage < 3:  # experts first (own meshes)
+        for moe in layers.values():
+            apply_expert_zero(moe.experts, parallel_dims, job_config, device_type)
     if parallel_dims.data_parallel_enabled:
         units = functools.partial(qwen3_moe_fsdp_units, parallel_dims=parallel_dims)
         apply_data_parallel(model, parallel_dims, job_config, device_type, units)

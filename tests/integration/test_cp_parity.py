@@ -1,10 +1,11 @@
 """Context parallelism trains exactly like one process: every sequence split over 2 or 4 CP
 ranks (load-balanced chunks, global RoPE positions, K/V all-gathered in every layer), alone and
-with FSDP, TP and PP, with and without document masking, for Llama and Qwen3, and for the MoE
-family twice (alone, and with PP, compile and per-op AC at once). The harness of
-`tests/parity.py`: loss and gradient norm at every step, final weights, and the layout built
-(a "cp" mesh dimension, every block's attention swapped for the context-parallel one, the
-weights sharded over the data-parallel and CP ranks together).
+with FSDP, TP and PP, with and without document masking, for Llama and Qwen3, with ZeRO-1/2
+for Llama, and for the MoE family three times (CP alone, EP 2 drawn from CP 2 x FSDP 2, and
+PP x CP with compile and per-op AC at once). The harness of `tests/parity.py`: loss and
+gradient norm at every step, final weights, and the layout built (a "cp" mesh dimension, every
+block's attention swapped for the context-parallel one, the weights sharded over the
+data-parallel and CP ranks together).
 
 Features ride along where they cost no extra launch: gradient accumulation on CP 4, full
 activation checkpointing on CP 2 x FSDP 2 (the recomputed forward gathers K/V again), compile
@@ -68,6 +69,10 @@ LAYOUTS = {
     for doc in ("", "_doc")
 }
 LAYOUTS["qwen3_cp2"][1].extend(COMPILE)  # 2 ranks compile: half the gcc work of 4
+# ZeRO 0-2 average the gradients (and ZeRO-1/2 shard the masters) over the CP ranks too
+ZERO = "--parallelism.zero_stage"
+LAYOUTS["llama_cp2_zero1"] = (2, [*cp(2), ZERO, "1"], "llama")
+LAYOUTS["llama_cp2_zero2_doc"] = (4, [*cp(2), ZERO, "2", LB, "4", *DOC], "llama_doc")
 MOE = ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel",
        "--model.moe_aux_loss_coeff", "0.01", "--optimizer.lr", "1e-3"]  # fmt: skip
 LAYOUTS["moe_cp2_doc"] = (2, [*MOE, *cp(2), *DOC], "moe_doc")
@@ -80,6 +85,10 @@ AC_OP = ["--activation_checkpoint.mode", "selective",
          "--activation_checkpoint.selective_ac_option", "op"]  # fmt: skip
 LAYOUTS["moe_cp2_pp2_compile_ac_op"] = (4, [*MOE, *Z_LOSS, *cp(2), *PP2, *COMPILE, *AC_OP],
                                         "moe_z")  # fmt: skip
+# EP 2 drawn from the CP ranks (every CP pair one EP group), the experts FSDP-sharded over the
+# 2 data-parallel ranks: their gradients divided by dp x cp, as the dense weights'
+EP2 = ["--parallelism.expert_parallel_degree", "2"]
+LAYOUTS["moe_ep2_cp2_doc"] = (4, [*MOE, *cp(2), *EP2, LB, "4", *DOC], "moe_doc")
 REFERENCES = {f"{f}{d}": [*args, *(DOC if d else [])] for f, args in FAMILIES.items()
               for d in ("", "_doc")}  # fmt: skip
 REFERENCES["moe_doc"] = [*MOE, *DOC]
@@ -122,8 +131,12 @@ def runs(request, tmp_path_factory):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_cp_layout_matches_one_process(runs, name):
     run, ref = runs[name].check(), runs[LAYOUTS[name][2]].check()
-    assert_layout(run.folder, run.nproc, run.args)  # no TP, no EP: FSDP cuts every block matrix
+    # no TP: FSDP (and EP x FSDP) cut every block matrix dp_shard x cp times
+    layout = assert_layout(run.folder, run.nproc, run.args)
     if name.startswith("moe"):  # and the expert loads of the global micro-batch, every step
+        if "ep2" in name:  # every block's w1, w2, w3 sharded on the expert dimension over "ep"
+            for r in layout["ranks"]:
+                assert r["placements"]["ep"] == {"Shard(0)": 6}, r["placements"]
         assert_parity(ref.folder, run.folder, MOE_FP32)
         assert_router_parity(ref.folder, run.folder)
     else:

@@ -35,6 +35,7 @@ Z_ONLY = ["--model.moe_aux_loss_coeff", "0", "--model.moe_z_loss_coeff", "0.001"
 # the loss still falls by 0.9 in 20 steps.
 COMMON = ["--training.steps", str(STEPS), "--optimizer.lr", "1e-3", *CHECKPOINT_ARGS, *MOE]
 LB = ["--training.local_batch_size"]
+ZERO = ["--parallelism.zero_stage"]
 
 
 def ep(n: int) -> list[str]:
@@ -61,6 +62,10 @@ LAYOUTS = {
     # PP splits each rank's batch into microbatches, so the load-balancing loss (over each
     # microbatch) would differ from one process's: the per-token z-loss and the bias instead
     "ep2_pp2_z_bias": (4, [*ep(2), *PP2, *Z_ONLY, *LB, "4"], "z_bias_4_layers"),
+    # ZeRO 0-2: the experts replicated outside EP (ZeRO-2 splits them over those ranks), their
+    # gradients divided by the whole DP degree; the dense weights under ZeRO over all 4 ranks
+    "ep2_zero0": (2, [*ep(2), *ZERO, "0", *LB, "4"], "aux"),
+    "ep2_zero2": (4, [*ep(2), *ZERO, "2", *LB, "2"], "aux"),
 }
 REFERENCES = {
     "aux": [],
@@ -77,15 +82,19 @@ RESUMED = {
 
 def expected_local_blocks(nproc: int, args: list[str]) -> int:
     """Block weight elements per rank: attention matrices cut tp x shard times, the router and
-    the experts (never TP-sharded) cut by the shard ranks (EP x FSDP over the rest, or FSDP)."""
+    the experts (never TP-sharded) cut by the shard ranks (EP x FSDP or ZeRO-1/2 over the rest,
+    or FSDP); under ZeRO-0 only TP cuts attention and EP the experts."""
     o = dict(zip(args[::2], args[1::2]))
     tp = int(o.get("--parallelism.tensor_parallel_degree", 1))
     pp = int(o.get("--parallelism.pipeline_parallel_degree", 1))
     layers = int(o.get("--model.n_layers", 2)) // pp
     shard = nproc // (tp * pp)
     attention = 64 * 128 * 2 + 64 * 64 * 2  # wq, wo (4 heads x 32) and wk, wv (2 kv heads)
-    moe = 8 * 64 + 3 * 8 * 128 * 64  # router, 8 experts' w1 / w2 / w3
-    return layers * (attention // (tp * shard) + moe // shard)
+    router, experts = 8 * 64, 3 * 8 * 128 * 64  # 8 experts' w1 / w2 / w3
+    if o.get("--parallelism.zero_stage") == "0":
+        ep = int(o.get("--parallelism.expert_parallel_degree", 1))
+        return layers * (attention // tp + router + experts // ep)
+    return layers * (attention // (tp * shard) + (router + experts) // shard)
 
 
 @pytest.fixture(scope="module")

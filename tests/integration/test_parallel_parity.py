@@ -75,6 +75,9 @@ LAYOUTS = {
     "tp2": (2, {TP: 2}),
     "tp2_fsdp2": (4, {TP: 2, LB: 4}),
     "tp2_ddp2_no_loss_parallel": (4, {**z(0), TP: 2, LB: 4, NO_LOSS_PARALLEL: "true"}),
+    # ZeRO-1/2 split each TP shard's rows over the data-parallel ranks (masters on (dp, tp))
+    "tp2_zero1": (4, {**z(1), TP: 2, LB: 4}),
+    "tp2_zero2_accum": (4, {**z(2), TP: 2, LB: 2, GB: 8}),
     "fsdp2_offload_accum": (2, {LB: 2, GB: 8, "training__enable_cpu_offload": "true"}),
     # Compile: TP 2 first, then TP 2 x FSDP 2, which finds the block graphs in the inductor
     # cache instead of running gcc again on every rank at once.
@@ -98,10 +101,15 @@ REFERENCE |= {"tied_tp2_fsdp2": TIED_REFERENCE, TIED_REFERENCE: "reference"}
 AFTER = {"tp2_fsdp2_compile": "tp2_compile_ac_op"}
 # Tests that need runs besides their parameter's: test name -> runs
 NEEDS = {
-    "test_zero2_checkpoint_resumes_under_fsdp": ["zero2_to_zero3_resume"],
     "test_compile_time_logged_separately": ["tp2_fsdp2_compile"],
 }
-RESUME_FROM = {"zero2_to_zero3_resume": "zero2_2_accum_ac_sel2"}
+# ZeRO-2 shards are FSDP's layout (Shard(0), under TP FSDP's shards of the TP shards): their
+# step-10 checkpoints resume under ZeRO-3. name -> (saver, ranks, layout of the resumed run)
+RESUMES = {
+    "zero2_to_zero3_resume": ("zero2_2_accum_ac_sel2", 2, {**z(3), LB: 4}),
+    "tp2_zero2_to_tp2_fsdp2_resume": ("tp2_zero2_accum", 4, {**z(3), TP: 2, LB: 4}),
+}
+RESUME_FROM = {name: saver for name, (saver, _, _) in RESUMES.items()}
 
 
 def _run_args(name: str) -> list[str]:
@@ -112,7 +120,8 @@ def _run_args(name: str) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory):
     base = tmp_path_factory.mktemp("parity")
-    want = {"reference"} | selected_runs(request, LAYOUTS, NEEDS, REFERENCE, AFTER, RESUME_FROM)
+    names = {*LAYOUTS, *RESUMES}
+    want = {"reference"} | selected_runs(request, names, NEEDS, REFERENCE, AFTER, RESUME_FROM)
     # A private inductor cache: torch 2.13 has handed a stale compiled TP graph from another
     # run's cache entries back (wrong losses), so only this test run's compiles are reused.
     env = {"TORCHINDUCTOR_CACHE_DIR": str(base / "inductor_cache")}
@@ -123,13 +132,13 @@ def runs(request, tmp_path_factory):
         for name in LAYOUTS
         if name in want
     ]
-    if "zero2_to_zero3_resume" in want:
-        # ZeRO-2 shards are FSDP's Shard(0) layout: its step-10 checkpoint resumes under ZeRO-3.
-        saver = RESUME_FROM["zero2_to_zero3_resume"]
-        resume = [*common, *_args(**z(3), **{LB: 4}), "--checkpoint.initial_load_path"]
+    for name, (saver, nproc, layout) in RESUMES.items():
+        if name not in want:
+            continue
+        resume = [*common, *_args(**layout), "--checkpoint.initial_load_path"]
         resume += [str(base / saver / "checkpoint" / "step-10")]
         resume += ["--checkpoint.initial_load_model_only", "false"]
-        todo.append(Run("zero2_to_zero3_resume", base / "resume", 2, resume, after=saver))
+        todo.append(Run(name, base / name, nproc, resume, after=saver))
     # Compile runs and the widest runs are the slowest: start them first so others overlap.
     todo.sort(key=lambda r: ("compile" not in r.name, -r.nproc))
     return launch_many(todo, parallel=2)
@@ -160,8 +169,9 @@ def test_reference_loss_falls(runs):
     assert len(losses) == STEPS and losses[STEPS] < losses[1] - 1.0, losses
 
 
-def test_zero2_checkpoint_resumes_under_fsdp(runs):
-    ref, run = runs["reference"].check(), runs["zero2_to_zero3_resume"].check()
+@pytest.mark.parametrize("name", list(RESUMES))
+def test_zero2_checkpoint_resumes_under_fsdp(runs, name):
+    ref, run = runs["reference"].check(), runs[name].check()
     assert "checkpoint: loaded" in run.output
     assert sorted(run.losses()) == list(range(11, STEPS + 1))
     assert_layout(run.folder, run.nproc, run.args)

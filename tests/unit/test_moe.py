@@ -209,6 +209,11 @@ def test_expert_major_permutation():
 MOE_CLI = ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel"]
 
 
+def _ep_cp(ep: int, cp: int) -> list[str]:
+    return ["--parallelism.expert_parallel_degree", str(ep),
+            "--parallelism.context_parallel_degree", str(cp)]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("argv", "world", "message"),
     [
@@ -217,16 +222,11 @@ MOE_CLI = ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel"]
         ([*MOE_CLI, "--parallelism.expert_parallel_degree", "3"], 6, "must divide the 8 experts"),
         ([*MOE_CLI, "--parallelism.expert_parallel_degree", "4"], 2, "must divide the data-"),
         (
-            [
-                *MOE_CLI,
-                "--parallelism.expert_parallel_degree",
-                "2",
-                "--parallelism.zero_stage",
-                "2",
-            ],
-            2,
-            "Use zero_stage = 3",
-        ),  # fmt: skip
+            [*MOE_CLI, *_ep_cp(2, 4), "--training.seq_len", "32"],
+            8,
+            "EP degree must be a multiple of the CP degree",
+        ),
+        ([*MOE_CLI, *_ep_cp(4, 2), "--training.seq_len", "32"], 2, "must divide the data-"),
     ],
 )
 def test_bad_moe_configs_are_refused_before_any_process_group(argv, world, message):
@@ -235,3 +235,32 @@ def test_bad_moe_configs_are_refused_before_any_process_group(argv, world, messa
     cfg = parse_args(["--training.device", "cpu", *argv])
     with pytest.raises((ConfigError, ValueError), match=message):
         check_config(cfg, world)
+
+
+def test_ep_ranks_are_drawn_from_the_shard_and_cp_ranks():
+    """EP 4 x CP 2 x TP 2 on 16 ranks (fake group, rank 0): the EP group is the innermost 4 of
+    dp_shard x cp (both CP ranks of a sequence in it), the experts' FSDP ranks the rest, and
+    every dense dimension the ranks it has without EP."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from parallelisms.parallel_dims import ParallelDims
+
+    dims = ParallelDims.from_config(
+        world_size=16, dp_replicate=1, dp_shard=4, tp=2, pp=1, ep=4, cp=2
+    )
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=16)
+    try:
+        dims.build_mesh("cpu")
+        ranks = {n: dims.dim(n).mesh.tolist() for n in ("ep", "dp_shard_mod_ep", "dp_shard",
+                                                         "dp_shard_cp", "cp", "tp")}  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+    assert ranks == {
+        "ep": [0, 2, 4, 6],  # (dp_shard_in_ep, cp) of the (dp_shard, cp, tp) = (4, 2, 2) ranks
+        "dp_shard_mod_ep": [0, 8],
+        "dp_shard": [0, 4, 8, 12],
+        "dp_shard_cp": [0, 2, 4, 6, 8, 10, 12, 14],
+        "cp": [0, 2],
+        "tp": [0, 1],
+    }
