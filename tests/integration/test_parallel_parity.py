@@ -79,6 +79,10 @@ LAYOUTS = {
     # Compile: TP 2 first, then TP 2 x FSDP 2, which finds the block graphs in the inductor
     # cache instead of running gcc again on every rank at once.
     "tp2_compile_ac_op": (2, {TP: 2, COMPILE: "true", AC: "selective", SAC: "op"}),
+    # AC modes that recompute attention in backward (the flagship presets' TP + compile +
+    # full AC): the compiled block saves the CPU RNG state beside its DeviceMesh
+    "tp2_compile_ac_full": (2, {TP: 2, COMPILE: "true", AC: "full"}),
+    "tp2_compile_ac_sel2": (2, {TP: 2, COMPILE: "true", AC: "selective", SAC: "2"}),
     "tp2_fsdp2_compile": (4, {TP: 2, LB: 4, COMPILE: "true"}),
     # the bf16 family, against FSDP 2 in bf16
     "fsdp2_bf16": (2, {LB: 4, **BF16}),
