@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import functools
 import operator
+import os
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import fx, nn
+
+from parallelisms.parallel_dims import ParallelDims
 
 
 def _own_input(module: nn.Module, args: tuple):
@@ -106,6 +110,30 @@ def apply_compile(model: nn.Module, part: str | None = None) -> nn.Module:
         target.forward = torch.compile(target.forward, fullgraph=True)
         target.register_forward_pre_hook(_own_input)
     return model
+
+
+def key_compile_caches_to_rank(parallel_dims: ParallelDims) -> str:
+    """Makes this rank's entries in the on-disk compile caches (FX graph and AOT autograd,
+    under TORCHINDUCTOR_CACHE_DIR) its own: adds its global rank and the names of its
+    process groups, one per mesh dimension, to `torch.compiler.config.cache_key_tag`
+    (after any tag set by TORCH_COMPILE_CACHE_KEY_TAG). Returns the tag; none on one rank.
+
+    Why: a graph compiled under TP (the blocks, the loss-parallel loss) bakes in what the
+    DTensors' mesh says on this rank: the name of the process group its collectives run on
+    and the rank's coordinates. The AOT autograd cache key hashes a DeviceMesh by its type
+    only, so every TP group's ranks compute one key; a rerun on a warm cache then hands one
+    TP group's graph to the other's ranks ("Could not resolve the process group registered
+    under the name 3"), or one rank's coordinates to another. With the tag a rerun of the
+    same layout still finds all its graphs (each rank its own), and the compiled kernels
+    themselves (keyed by their source) stay shared between ranks and runs."""
+    mesh = parallel_dims.mesh
+    if mesh is None or mesh.size() == 1:
+        return ""
+    groups = ",".join(f"{d}={g}" for d, g in sorted(parallel_dims.group_names().items()))
+    ours = f"meshtrain rank {dist.get_rank()} groups {groups}"
+    base = os.environ.get("TORCH_COMPILE_CACHE_KEY_TAG", "")
+    torch.compiler.config.cache_key_tag = f"{base} {ours}".strip()
+    return torch.compiler.config.cache_key_tag
 
 
 def maybe_compile_loss(loss_fn: Callable, compile_cfg) -> Callable:

@@ -24,6 +24,8 @@ from parity import (
     Tolerance,
     assert_layout,
     assert_parity,
+    assert_series,
+    by_step,
     final_weights,
     selected_runs,
 )
@@ -104,8 +106,13 @@ AFTER = {"tp2_fsdp2_compile": "tp2_compile_ac_op"}
 NEEDS = {
     "test_zero2_checkpoint_resumes_under_fsdp": ["zero2_to_zero3_resume"],
     "test_compile_time_logged_separately": ["tp2_fsdp2_compile"],
+    "test_compile_rerun_on_warm_cache": ["tp2_fsdp2_compile_rerun"],
 }
 RESUME_FROM = {"zero2_to_zero3_resume": "zero2_2_accum_ac_sel2"}
+# A restart's view of the compile caches: the same TP 2 x FSDP 2 run again, 4 steps, on the
+# cache the first one filled (two TP groups, whose graphs must not be handed to each other).
+RERUN_OF = {"tp2_fsdp2_compile_rerun": "tp2_fsdp2_compile"}
+RERUN_STEPS = 4
 
 
 def _run_args(name: str) -> list[str]:
@@ -116,9 +123,11 @@ def _run_args(name: str) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory):
     base = tmp_path_factory.mktemp("parity")
-    want = {"reference"} | selected_runs(request, LAYOUTS, NEEDS, REFERENCE, AFTER, RESUME_FROM)
-    # A private inductor cache: torch 2.13 has handed a stale compiled TP graph from another
-    # run's cache entries back (wrong losses), so only this test run's compiles are reused.
+    want = {"reference"} | selected_runs(
+        request, LAYOUTS, NEEDS, REFERENCE, AFTER, RESUME_FROM, RERUN_OF
+    )
+    # A private inductor cache, shared by this module's runs: only their own compiles are
+    # reused, not those of whatever ran on this machine before.
     env = {"TORCHINDUCTOR_CACHE_DIR": str(base / "inductor_cache")}
     common = ["--training.steps", str(STEPS), *CHECKPOINT_ARGS]
     todo = [Run("reference", base / "reference", 1, common)]
@@ -134,6 +143,11 @@ def runs(request, tmp_path_factory):
         resume += [str(base / saver / "checkpoint" / "step-10")]
         resume += ["--checkpoint.initial_load_model_only", "false"]
         todo.append(Run("zero2_to_zero3_resume", base / "resume", 2, resume, after=saver))
+    for rerun, first in RERUN_OF.items():
+        if rerun in want:
+            args = ["--training.steps", str(RERUN_STEPS), *_args(**LAYOUTS[first][1])]
+            nproc = LAYOUTS[first][0]
+            todo.append(Run(rerun, base / rerun, nproc, args, after=first, env=env))
     # Compile runs and the widest runs are the slowest: start them first so others overlap.
     todo.sort(key=lambda r: ("compile" not in r.name, -r.nproc))
     return launch_many(todo, parallel=2)
@@ -175,6 +189,15 @@ def test_zero2_checkpoint_resumes_under_fsdp(runs):
 def test_compile_time_logged_separately(runs):
     first = runs["tp2_fsdp2_compile"].check().records()[0]
     assert first["step"] == 1 and first["compile_time_s"] > 0
+
+
+def test_compile_rerun_on_warm_cache(runs):
+    # Each rank loads the graphs compiled for its own process groups and coordinates, and
+    # trains exactly as the first run did.
+    first, rerun = runs["tp2_fsdp2_compile"].check(), runs["tp2_fsdp2_compile_rerun"].check()
+    for key in ("loss", "grad_norm"):
+        want = {s: v for s, v in by_step(first.folder, key).items() if s <= RERUN_STEPS}
+        assert_series(want, by_step(rerun.folder, key), key, 0.0)
 
 
 def _psi(run: Run) -> int:
