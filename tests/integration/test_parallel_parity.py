@@ -150,7 +150,8 @@ def runs(request, tmp_path_factory):
             todo.append(Run(rerun, base / rerun, nproc, args, after=first, env=env))
     # Compile runs and the widest runs are the slowest: start them first so others overlap.
     todo.sort(key=lambda r: ("compile" not in r.name, -r.nproc))
-    return launch_many(todo, parallel=2)
+    # One deadline for all the module's runs, four of them compiled plus a compiled rerun.
+    return launch_many(todo, parallel=2, timeout=900)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
