@@ -9,10 +9,16 @@ around the compiled graph. Applied after tensor parallelism and activation check
 
 from __future__ import annotations
 
+import functools
+import operator
+import os
 from collections.abc import Callable
 
 import torch
-from torch import nn
+import torch.distributed as dist
+from torch import fx, nn
+
+from parallelisms.parallel_dims import ParallelDims
 
 
 def _own_input(module: nn.Module, args: tuple):
@@ -26,15 +32,108 @@ def _own_input(module: nn.Module, args: tuple):
     return None
 
 
+def _rng_states_before_opaque_objects(fw: fx.GraphModule, bw: fx.GraphModule) -> None:
+    """Moves the RNG states that torch's partitioner saves for recomputed random ops (CPU path
+    of `functionalize_rng_ops`) in front of the opaque objects saved for backward, in the
+    forward graph's outputs and the backward graph's inputs: where AOT autograd's runtime
+    expects them, with the other saved tensors.
+
+    Why: an activation-checkpointed block recomputes attention in backward, and SDPA's CPU
+    kernels count as random ops (they take a dropout probability), so the partitioner saves
+    the CPU RNG state for the recompute; it appends that state after everything else saved,
+    opaque objects included. Under tensor parallelism the compiled block also saves its
+    `DeviceMesh` (an opaque object in torch 2.13's graphs, which rebuild the DTensor
+    gradients with it), and the runtime, slicing the saved values by kind from the end, then
+    takes the mesh for a tensor and the RNG state for the mesh: "expected all
+    tensors_saved_with_vc_check to be Tensors". CUDA keeps its RNG states as graph inputs
+    instead, which is why the same composition runs on GPUs."""
+    from torch._functorch._aot_autograd.graph_compile import is_opaque_node
+    from torch._prims.rng_prims import run_and_save_rng_state
+
+    out = next(iter(fw.graph.find_nodes(op="output")))
+    outputs = list(out.args[0])
+    rng = [
+        i
+        for i, n in enumerate(outputs)
+        if isinstance(n, fx.Node)
+        and n.target is operator.getitem
+        and n.args[1] == 0
+        and getattr(n.args[0], "target", None) is run_and_save_rng_state
+    ]
+    if not rng:
+        return
+    first = start = rng[0]
+    while start > 0 and is_opaque_node(outputs[start - 1]):
+        start -= 1
+    if start == first:
+        return  # already in order
+    opaque = outputs[start:first]
+    states = [outputs[i] for i in rng]
+    out.args = (tuple(outputs[:start] + states + opaque + outputs[rng[-1] + 1 :]),)
+    names = {n.name for n in opaque}
+    inputs = list(bw.graph.find_nodes(op="placeholder"))
+    anchor = next(n for n in inputs if n.name in names)
+    for node in inputs:
+        if node.name.startswith("rng_state_output_"):
+            anchor.prepend(node)
+    fw.recompile()
+    bw.recompile()
+
+
+def _fix_rng_state_order() -> None:
+    """Wraps torch's `functionalize_rng_ops` (once per process) so that its saved RNG states
+    sit where the runtime reads them (see `_rng_states_before_opaque_objects`); a torch that
+    already orders them so is left as it is by the wrapper."""
+    from torch._functorch import partitioners
+
+    original = getattr(partitioners, "functionalize_rng_ops", None)
+    if original is None or getattr(original, "_meshtrain_ordered", False):
+        return
+
+    @functools.wraps(original)
+    def functionalize_rng_ops(joint_module, fw_module, bw_module, num_sym_nodes):
+        fw_module, bw_module = original(joint_module, fw_module, bw_module, num_sym_nodes)
+        _rng_states_before_opaque_objects(fw_module, bw_module)
+        return fw_module, bw_module
+
+    functionalize_rng_ops._meshtrain_ordered = True
+    partitioners.functionalize_rng_ops = functionalize_rng_ops
+
+
 def apply_compile(model: nn.Module, part: str | None = None) -> nn.Module:
     """Compiles the forward of every entry of `model.layers` (`fullgraph`: a graph break is
     an error, not a silent slowdown); with `part`, of that submodule of every block instead
     (a family whose blocks hold data-dependent code, such as MoE routing, compiles the rest)."""
+    _fix_rng_state_order()
     for block in model.layers.values():
         target = getattr(block, part) if part else block
         target.forward = torch.compile(target.forward, fullgraph=True)
         target.register_forward_pre_hook(_own_input)
     return model
+
+
+def key_compile_caches_to_rank(parallel_dims: ParallelDims) -> str:
+    """Makes this rank's entries in the on-disk compile caches (FX graph and AOT autograd,
+    under TORCHINDUCTOR_CACHE_DIR) its own: adds its global rank and the names of its
+    process groups, one per mesh dimension, to `torch.compiler.config.cache_key_tag`
+    (after any tag set by TORCH_COMPILE_CACHE_KEY_TAG). Returns the tag; none on one rank.
+
+    Why: a graph compiled under TP (the blocks, the loss-parallel loss) bakes in what the
+    DTensors' mesh says on this rank: the name of the process group its collectives run on
+    and the rank's coordinates. The AOT autograd cache key hashes a DeviceMesh by its type
+    only, so every TP group's ranks compute one key; a rerun on a warm cache then hands one
+    TP group's graph to the other's ranks ("Could not resolve the process group registered
+    under the name 3"), or one rank's coordinates to another. With the tag a rerun of the
+    same layout still finds all its graphs (each rank its own), and the compiled kernels
+    themselves (keyed by their source) stay shared between ranks and runs."""
+    mesh = parallel_dims.mesh
+    if mesh is None or mesh.size() == 1:
+        return ""
+    groups = ",".join(f"{d}={g}" for d, g in sorted(parallel_dims.group_names().items()))
+    ours = f"meshtrain rank {dist.get_rank()} groups {groups}"
+    base = os.environ.get("TORCH_COMPILE_CACHE_KEY_TAG", "")
+    torch.compiler.config.cache_key_tag = f"{base} {ours}".strip()
+    return torch.compiler.config.cache_key_tag
 
 
 def maybe_compile_loss(loss_fn: Callable, compile_cfg) -> Callable:

@@ -222,6 +222,17 @@ class ParallelDims:
             return parts[0]
         return name if parts else None
 
+    def group_names(self) -> dict[str, str]:
+        """This rank's process group along every dimension of the mesh, flattened ones
+        included: dimension -> the name the group is registered under in this process."""
+        assert self.mesh is not None, "call build_mesh() first"
+        groups = {}
+        for name in (*(self.mesh.mesh_dim_names or ()), *_FLATTENED):
+            sub = self.dim(name)
+            if sub is not None:
+                groups[name] = sub.get_group().group_name
+        return groups
+
     def dim(self, name: str) -> DeviceMesh | None:
         """The sub-mesh of a (possibly flattened) dimension, or None when it has size 1."""
         resolved = self.dim_name(name)

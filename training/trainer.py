@@ -20,7 +20,7 @@ from job_config import JobConfig
 from metrics import MetricsLogger, count_params, device_peak_flops, flops_per_token
 from metrics.memory import process_rss_gib
 from models import get_model_spec, model_args_for
-from parallelisms.compile import maybe_compile_loss
+from parallelisms.compile import key_compile_caches_to_rank, maybe_compile_loss
 from parallelisms.context_parallel import SequenceSplit, apply_context_parallel
 from parallelisms.init_weights import materialize
 from parallelisms.layout_record import built_layout, summarize, write_layout
@@ -122,6 +122,8 @@ def start_runtime(cfg: JobConfig, parallel_dims: ParallelDims, local_rank: int) 
     )
     seed_everything(cfg.debug.seed, cfg.debug.deterministic)
     parallel_dims.build_mesh(device.type)
+    if cfg.compile.enable:
+        key_compile_caches_to_rank(parallel_dims)
     return device
 
 

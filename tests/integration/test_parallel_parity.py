@@ -24,6 +24,8 @@ from parity import (
     Tolerance,
     assert_layout,
     assert_parity,
+    assert_series,
+    by_step,
     final_weights,
     selected_runs,
 )
@@ -82,6 +84,10 @@ LAYOUTS = {
     # Compile: TP 2 first, then TP 2 x FSDP 2, which finds the block graphs in the inductor
     # cache instead of running gcc again on every rank at once.
     "tp2_compile_ac_op": (2, {TP: 2, COMPILE: "true", AC: "selective", SAC: "op"}),
+    # AC modes that recompute attention in backward (the flagship presets' TP + compile +
+    # full AC): the compiled block saves the CPU RNG state beside its DeviceMesh
+    "tp2_compile_ac_full": (2, {TP: 2, COMPILE: "true", AC: "full"}),
+    "tp2_compile_ac_sel2": (2, {TP: 2, COMPILE: "true", AC: "selective", SAC: "2"}),
     "tp2_fsdp2_compile": (4, {TP: 2, LB: 4, COMPILE: "true"}),
     # the bf16 family, against FSDP 2 in bf16
     "fsdp2_bf16": (2, {LB: 4, **BF16}),
@@ -102,6 +108,7 @@ AFTER = {"tp2_fsdp2_compile": "tp2_compile_ac_op"}
 # Tests that need runs besides their parameter's: test name -> runs
 NEEDS = {
     "test_compile_time_logged_separately": ["tp2_fsdp2_compile"],
+    "test_compile_rerun_on_warm_cache": ["tp2_fsdp2_compile_rerun"],
 }
 # ZeRO-2 shards are FSDP's layout (Shard(0), under TP FSDP's shards of the TP shards): their
 # step-10 checkpoints resume under ZeRO-3. name -> (saver, ranks, layout of the resumed run)
@@ -110,6 +117,10 @@ RESUMES = {
     "tp2_zero2_to_tp2_fsdp2_resume": ("tp2_zero2_accum", 4, {**z(3), TP: 2, LB: 4}),
 }
 RESUME_FROM = {name: saver for name, (saver, _, _) in RESUMES.items()}
+# A restart's view of the compile caches: the same TP 2 x FSDP 2 run again, 4 steps, on the
+# cache the first one filled (two TP groups, whose graphs must not be handed to each other).
+RERUN_OF = {"tp2_fsdp2_compile_rerun": "tp2_fsdp2_compile"}
+RERUN_STEPS = 4
 
 
 def _run_args(name: str) -> list[str]:
@@ -121,9 +132,11 @@ def _run_args(name: str) -> list[str]:
 def runs(request, tmp_path_factory):
     base = tmp_path_factory.mktemp("parity")
     names = {*LAYOUTS, *RESUMES}
-    want = {"reference"} | selected_runs(request, names, NEEDS, REFERENCE, AFTER, RESUME_FROM)
-    # A private inductor cache: torch 2.13 has handed a stale compiled TP graph from another
-    # run's cache entries back (wrong losses), so only this test run's compiles are reused.
+    want = {"reference"} | selected_runs(
+        request, names, NEEDS, REFERENCE, AFTER, RESUME_FROM, RERUN_OF
+    )
+    # A private inductor cache, shared by this module's runs: only their own compiles are
+    # reused, not those of whatever ran on this machine before.
     env = {"TORCHINDUCTOR_CACHE_DIR": str(base / "inductor_cache")}
     common = ["--training.steps", str(STEPS), *CHECKPOINT_ARGS]
     todo = [Run("reference", base / "reference", 1, common)]
@@ -139,9 +152,15 @@ def runs(request, tmp_path_factory):
         resume += [str(base / saver / "checkpoint" / "step-10")]
         resume += ["--checkpoint.initial_load_model_only", "false"]
         todo.append(Run(name, base / name, nproc, resume, after=saver))
+    for rerun, first in RERUN_OF.items():
+        if rerun in want:
+            args = ["--training.steps", str(RERUN_STEPS), *_args(**LAYOUTS[first][1])]
+            nproc = LAYOUTS[first][0]
+            todo.append(Run(rerun, base / rerun, nproc, args, after=first, env=env))
     # Compile runs and the widest runs are the slowest: start them first so others overlap.
     todo.sort(key=lambda r: ("compile" not in r.name, -r.nproc))
-    return launch_many(todo, parallel=2)
+    # One deadline for all the module's runs, four of them compiled plus a compiled rerun.
+    return launch_many(todo, parallel=2, timeout=900)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -181,6 +200,15 @@ def test_zero2_checkpoint_resumes_under_fsdp(runs, name):
 def test_compile_time_logged_separately(runs):
     first = runs["tp2_fsdp2_compile"].check().records()[0]
     assert first["step"] == 1 and first["compile_time_s"] > 0
+
+
+def test_compile_rerun_on_warm_cache(runs):
+    # Each rank loads the graphs compiled for its own process groups and coordinates, and
+    # trains exactly as the first run did.
+    first, rerun = runs["tp2_fsdp2_compile"].check(), runs["tp2_fsdp2_compile_rerun"].check()
+    for key in ("loss", "grad_norm"):
+        want = {s: v for s, v in by_step(first.folder, key).items() if s <= RERUN_STEPS}
+        assert_series(want, by_step(rerun.folder, key), key, 0.0)
 
 
 def _psi(run: Run) -> int:
