@@ -104,7 +104,6 @@ def check_config(cfg: JobConfig, world_size: int) -> ParallelDims:
             p,
             t.local_batch_size,
             args.n_layers,
-            compile_model=cfg.compile.enable and "model" in cfg.compile.components,
             device_type=device_type(t.device),
             per_op_ac=cfg.activation_checkpoint.mode == "selective"
             and cfg.activation_checkpoint.selective_ac_option == "op",

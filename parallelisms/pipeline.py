@@ -25,8 +25,8 @@ from parallelisms.parallel_dims import ParallelismError
 # first and last stage share rank 0; every other multi-stage schedule loops (stage s on s % pp).
 _V_SCHEDULES = {"ScheduleZBVZeroBubble", "ScheduleDualPipeV"}
 # Schedules that split backward into input- and weight-gradient passes (two backward passes
-# over each stage's graph), which torch only supports on uncompiled stage modules and, under
-# activation checkpointing, with whole-block recomputation (full or every N-th block), not
+# over each stage's graph; compiled graphs then must not donate their saved buffers, see
+# build_schedule), which under activation checkpointing torch supports with whole-block recomputation (full or every N-th block), not
 # per-op selective AC: torch's selective checkpoint hands its saved op outputs to the first
 # backward through a region and refuses a second ("Trying to backward an extra time").
 _SPLIT_BACKWARD_SCHEDULES = _V_SCHEDULES | {"ScheduleInterleavedZeroBubble"}
@@ -237,13 +237,12 @@ def validate_pipeline_config(
     parallelism,
     local_batch_size: int,
     n_layers: int,
-    compile_model: bool = False,
     device_type: str = "cuda",
     torch_version: str = torch.__version__,
     per_op_ac: bool = False,
 ) -> None:
     """Every pipeline check that needs only the config: schedule name, stage plan, microbatch
-    count, compile, per-op selective AC (`per_op_ac`) and torch-version compatibility, all
+    count, per-op selective AC (`per_op_ac`) and torch-version compatibility, all
     reported at once (an unknown schedule name alone, since the others depend on it). A no-op
     without pipeline parallelism."""
     pp = parallelism.pipeline_parallel_degree
@@ -268,12 +267,6 @@ def validate_pipeline_config(
         pp,
         len(stages) if stages else 0,  # without a plan, the checks that need no stage count
     )
-    if compile_model and cls.__name__ in _SPLIT_BACKWARD_SCHEDULES:
-        problems.add(
-            f"{cls.__name__} splits backward into input and weight passes, which torch does "
-            "not support on compiled stages: disable compile.enable (or drop 'model' from "
-            f"compile.components) or pick {_ONE_PASS_BACKWARD}."
-        )
     if per_op_ac and cls.__name__ in _SPLIT_BACKWARD_SCHEDULES:
         problems.add(
             f"parallelism.pipeline_parallel_schedule = '{name}' with activation_checkpoint."
@@ -342,6 +335,11 @@ def build_schedule(
     """The named schedule over this rank's stages. `loss_fn` must already be normalised (sum of
     token losses / tokens per optimizer step), so the schedule must not rescale gradients."""
     cls = schedule_class(schedule_name)
+    if cls.__name__ in _SPLIT_BACKWARD_SCHEDULES:
+        # The input-gradient pass keeps the graph for the weight-gradient pass
+        # (retain_graph=True), which a compiled backward that donates its saved buffers refuses
+        # ("compiled with non-empty donated buffers"): the compiled loss on the last stage.
+        torch._functorch.config.donated_buffer = False
     if is_single_stage(cls):
         if len(stages) != 1:
             raise ParallelismError(f"{cls.__name__} takes one stage per rank, got {len(stages)}")

@@ -71,6 +71,9 @@ LAYOUTS = {
     # split backward (input, then weight pass) recomputes each checkpointed block once per
     # pass; per-op selective AC is refused with these schedules (one backward per region)
     "pp2_zbv_ac_every_2": (2, _pp("ZBVZeroBubble", 2, **AC_EVERY_2)),
+    # compiled blocks and loss under split backward: the first pass keeps the graph for the
+    # second, so the compiled backward must not donate its buffers (build_schedule)
+    "pp2_zbv_compile": (2, _pp("ZBVZeroBubble", 2, compile__enable="true")),
     # gradient accumulation (4 schedule steps per optimizer step) and an uneven explicit split
     "pp2_1f1b_accum_split": (
         2,

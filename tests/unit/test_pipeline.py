@@ -126,8 +126,6 @@ def _cfg(*argv: str):
         (["--parallelism.pipeline_parallel_microbatch_size", "8"], "at least as many"),
         (["--parallelism.pipeline_parallel_layers_per_stage", "1"], "exactly 2 stages"),
         (["--parallelism.pipeline_parallel_split_points", '["layers.9"]'], "can start"),
-        (["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "--compile.enable",
-          "true"], "compiled stages"),
         (["--model.n_layers", "3", "--parallelism.pipeline_parallel_schedule",
           "Interleaved1F1B"], "only 3 layers"),
     ],
