@@ -21,6 +21,7 @@ from checkpoint import CheckpointError
 from job_config import ConfigError, JobConfig, config_notes, config_to_toml, help_text, parse_args
 from job_config.loader import Problems, check_layout_options, validate
 from models import get_model_spec, import_families, model_args_for
+from parallelisms.mixed_precision import mixed_precision_dtypes
 from parallelisms.parallel_dims import ParallelDims, ParallelismError
 from parallelisms.pipeline import validate_pipeline_config
 from training.distributed import LaunchError, device_type, launch_env, pick_device, record_error
@@ -107,6 +108,10 @@ def check_config(cfg: JobConfig, world_size: int) -> ParallelDims:
             device_type=device_type(t.device),
             per_op_ac=cfg.activation_checkpoint.mode == "selective"
             and cfg.activation_checkpoint.selective_ac_option == "op",
+            bf16_zero=dims is not None
+            and dims.zero_stage < 3
+            and dims.dp * dims.cp > 1
+            and mixed_precision_dtypes(t, device_type(t.device))[0] == torch.bfloat16,
         )
     problems.raise_any()
     return dims

@@ -240,6 +240,7 @@ def validate_pipeline_config(
     device_type: str = "cuda",
     torch_version: str = torch.__version__,
     per_op_ac: bool = False,
+    bf16_zero: bool = False,
 ) -> None:
     """Every pipeline check that needs only the config: schedule name, stage plan, microbatch
     count, per-op selective AC (`per_op_ac`) and torch-version compatibility, all
@@ -275,6 +276,16 @@ def validate_pipeline_config(
             "allows one (the first consumes the op outputs it saved). Use activation_checkpoint"
             ".mode = 'full' or selective_ac_option = N (whole blocks, recomputed per pass), or "
             f"pick {_ONE_PASS_BACKWARD}."
+        )
+    if bf16_zero and cls.__name__ in _V_SCHEDULES:
+        # Found by the combination matrix (tests/matrix.py): a rank's second (last) stage gets
+        # no optimizer state under ZeRO 0-2 with bf16 compute, so its checkpoint cannot resume.
+        # Cause not found yet; refused until it is (fp32, FSDP and the looped schedules work).
+        problems.add(
+            f"{cls.__name__} with parallelism.zero_stage 0-2 and training.mixed_precision_param "
+            "= bfloat16: the V-shaped schedule's last stage gets no optimizer state under ZeRO "
+            "0-2's bf16 compute copies (a known bug). Use zero_stage = 3 (FSDP2), float32, or "
+            "Interleaved1F1B / InterleavedZeroBubble."
         )
     if (
         cls.__name__ in _V_SCHEDULES
