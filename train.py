@@ -21,7 +21,6 @@ from checkpoint import CheckpointError
 from job_config import ConfigError, JobConfig, config_notes, config_to_toml, help_text, parse_args
 from job_config.loader import Problems, check_layout_options, validate
 from models import get_model_spec, import_families, model_args_for
-from parallelisms.mixed_precision import mixed_precision_dtypes
 from parallelisms.parallel_dims import ParallelDims, ParallelismError
 from parallelisms.pipeline import validate_pipeline_config
 from training.distributed import LaunchError, device_type, launch_env, pick_device, record_error
@@ -88,6 +87,20 @@ def check_config(cfg: JobConfig, world_size: int) -> ParallelDims:
                 "data-parallel (x context_parallel) degree > 1 (got zero_stage "
                 f"{dims.zero_stage}, data-parallel degree {dims.dp * dims.cp})."
             )
+        if (
+            dims.zero_stage == 0
+            and dims.tp > 1
+            and dims.dp > 1
+            and t.mixed_precision_param == "bfloat16"
+            and cfg.compile.enable
+            and "loss" in cfg.compile.components
+        ):  # found by the combination matrix (tests/matrix.py); cause not found yet
+            problems.add(
+                "parallelism.zero_stage = 0 with tensor_parallel_degree > 1, "
+                "training.mixed_precision_param = bfloat16 and 'loss' in compile.components: "
+                "the step-1 gradient norm is 10% off one process (a known bug). Leave the loss "
+                "uncompiled (compile.components = ['model']), or use zero_stage = 3 or float32."
+            )
         # CP ranks hold other tokens: their gradients are reduced and their weights sharded
         check_layout_options(cfg, dims.dp * dims.cp, problems)
     if args is not None:
@@ -108,10 +121,7 @@ def check_config(cfg: JobConfig, world_size: int) -> ParallelDims:
             device_type=device_type(t.device),
             per_op_ac=cfg.activation_checkpoint.mode == "selective"
             and cfg.activation_checkpoint.selective_ac_option == "op",
-            bf16_zero=dims is not None
-            and dims.zero_stage < 3
-            and dims.dp * dims.cp > 1
-            and mixed_precision_dtypes(t, device_type(t.device))[0] == torch.bfloat16,
+            zero_below_3=dims is not None and dims.zero_stage < 3 and dims.dp * dims.cp > 1,
         )
     problems.raise_any()
     return dims
