@@ -61,26 +61,6 @@ def setup_logging(dump_folder: str, rank: int) -> None:
         logger.addHandler(errors)
 
 
-def check_known_bugs(cfg: JobConfig, dims: ParallelDims) -> None:
-    """Combinations the combination matrix (tests/matrix.py) found wrong and whose cause is
-    not found yet: refused until fixed."""
-    t = cfg.training
-    if (
-        dims.zero_stage == 0
-        and dims.tp > 1
-        and dims.dp > 1
-        and t.mixed_precision_param == "bfloat16"
-        and cfg.compile.enable
-        and "loss" in cfg.compile.components
-    ):
-        raise ParallelismError(
-            "parallelism.zero_stage = 0 with tensor_parallel_degree > 1, "
-            "training.mixed_precision_param = bfloat16 and 'loss' in compile.components: "
-            "the step-1 gradient norm is 10% off one process (a known bug). Leave the loss "
-            "uncompiled (compile.components = ['model']), or use zero_stage = 3 or float32."
-        )
-
-
 def check_config(cfg: JobConfig, world_size: int) -> ParallelDims:
     """Every check that needs only the config and the world size, before any real work; the
     independent problems are all reported in one error."""
@@ -107,7 +87,6 @@ def check_config(cfg: JobConfig, world_size: int) -> ParallelDims:
                 "data-parallel (x context_parallel) degree > 1 (got zero_stage "
                 f"{dims.zero_stage}, data-parallel degree {dims.dp * dims.cp})."
             )
-        problems.run(check_known_bugs, cfg, dims)
         # CP ranks hold other tokens: their gradients are reduced and their weights sharded
         check_layout_options(cfg, dims.dp * dims.cp, problems)
     if args is not None:
@@ -128,7 +107,6 @@ def check_config(cfg: JobConfig, world_size: int) -> ParallelDims:
             device_type=device_type(t.device),
             per_op_ac=cfg.activation_checkpoint.mode == "selective"
             and cfg.activation_checkpoint.selective_ac_option == "op",
-            zero_below_3=dims is not None and dims.zero_stage < 3 and dims.dp * dims.cp > 1,
         )
     problems.raise_any()
     return dims

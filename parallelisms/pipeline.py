@@ -240,7 +240,6 @@ def validate_pipeline_config(
     device_type: str = "cuda",
     torch_version: str = torch.__version__,
     per_op_ac: bool = False,
-    zero_below_3: bool = False,
 ) -> None:
     """Every pipeline check that needs only the config: schedule name, stage plan, microbatch
     count, per-op selective AC (`per_op_ac`) and torch-version compatibility, all
@@ -276,16 +275,6 @@ def validate_pipeline_config(
             "allows one (the first consumes the op outputs it saved). Use activation_checkpoint"
             ".mode = 'full' or selective_ac_option = N (whole blocks, recomputed per pass), or "
             f"pick {_ONE_PASS_BACKWARD}."
-        )
-    if zero_below_3 and cls.__name__ in _V_SCHEDULES:
-        # Found by the combination matrix (tests/matrix.py): under ZeRO 0-2 the rank's second
-        # (last) stage trains wrong from step 2 (fp32: loss 1.5e-2 off one process) and saves
-        # no optimizer state in bf16. Cause not found yet; refused until it is.
-        problems.add(
-            f"{cls.__name__} with parallelism.zero_stage 0-2: the V-shaped schedule's last "
-            "stage on each rank is not updated correctly by ZeRO 0-2 (a known bug; its "
-            "optimizer state is not saved either). Use zero_stage = 3 (FSDP2), or "
-            "Interleaved1F1B / InterleavedZeroBubble."
         )
     if (
         cls.__name__ in _V_SCHEDULES

@@ -133,6 +133,9 @@ class _Param:
     layout: _Layout | None = None  # stages 1-2
     hook: object | None = None
     pending: tuple | None = None  # in-flight reduction: (work, result, its input, result is a copy)
+    # stage 0 where compute is master: (weak reference, version) of the gradient as its last
+    # reduction left it, so that `finish_unhooked` does not reduce it again
+    reduced: tuple | None = None
 
     @property
     def aliased(self) -> bool:
@@ -306,10 +309,13 @@ class ZeroState:
     def _reduce(self, p: _Param) -> None:
         """Starts the averaging reduction of one gradient (SUM then divide: gloo has no AVG)."""
         grad = p.compute.grad
-        if self.stage > 0 and isinstance(grad, DTensor) and grad.placements != p.layout.tp[1]:
+        if isinstance(grad, DTensor) and p.compute is not p.master:
             # a TP gradient in another placement than its weight's (the TP embedding's comes
-            # back Replicate): the weight's rows are what stages 1-2 split
-            grad = grad.redistribute(placements=p.layout.tp[1])
+            # back Replicate): the master's placement is what its local gradient must be in
+            # (stages 1-2 split its rows; stage 0 with bf16 compute wraps it in the master's)
+            want = p.layout.tp[1] if self.stage > 0 else p.master.placements
+            if grad.placements != want:
+                grad = grad.redistribute(placements=want)
         local = _local(grad)
         if self.stage == 2:
             rows = local.shape[0]
@@ -342,6 +348,8 @@ class ZeroState:
         work.wait()
         reduced.div_(self.divide)
         self._set_master_grad(p, reduced, copied)
+        grad = p.compute.grad
+        p.reduced = None if grad is None else (weakref.ref(grad), grad._version)
 
     @torch.no_grad()
     def _finish_backward(self) -> None:
@@ -352,6 +360,30 @@ class ZeroState:
         self.pending_backwards = max(0, self.pending_backwards - 1)
         if self.pending_backwards == 0:
             self._register(compute=False)
+
+    @torch.no_grad()
+    def finish_unhooked(self) -> None:
+        """Reduces the gradients that reached the compute parameters without their
+        post-accumulate-grad hook, then registers the masters: torch pipelining's split
+        backward (the zero-bubble schedules' weight pass) assigns `param.grad` itself, which
+        fires no hook. Where the compute parameter is the master (stage 0 in its own dtype) its
+        gradient is reduced again only if it changed since its last reduction: a partly reduced
+        one is fine to reduce as a whole, every rank holds the same reduced part."""
+        if not self.sync:  # an accumulation micro-step: the gradients stay local
+            return
+        for p in self.params:
+            grad = p.compute.grad
+            if grad is None or p.pending is not None:
+                continue
+            if p.reduced is not None and p.reduced[0]() is grad and p.reduced[1] == grad._version:
+                continue  # what its hook reduced, unchanged since
+            self._reduce(p)
+        for p in self.in_flight:
+            self._complete(p)
+        self.in_flight.clear()
+        self.callback_queued = False
+        self.pending_backwards = 0
+        self._register(compute=False)
 
     def _set_master_grad(self, p: _Param, reduced: torch.Tensor, copied: bool) -> None:
         """Moves a reduced gradient onto the master parameter (accumulating if one is there).
@@ -395,6 +427,11 @@ class ZeroModule:
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """Off: backward accumulates full local gradients without communication."""
         self._zero.sync = requires_gradient_sync
+
+    def finish_gradient_sync(self) -> None:
+        """After a backward that bypassed the gradient hooks (a pipeline's split backward):
+        reduces what is left, as the hooks would have (`ZeroState.finish_unhooked`)."""
+        self._zero.finish_unhooked()
 
     def _apply(self, fn, recurse: bool = True):
         out = super()._apply(fn, recurse)

@@ -366,6 +366,24 @@ MUTANTS = [
         "        pass\n",
         (RESUME,),
     ),
+    Mutant(
+        "ddp_bf16_tp_grad_placement_kept",
+        "DDP with bf16 compute under TP: a gradient in another placement than its weight's "
+        "(the embedding's) is wrapped in the weight's placement without redistribution",
+        "parallelisms/zero.py",
+        "            if grad.placements != want:\n",
+        "            if grad.placements != want and self.stage > 0:\n",
+        (f"{PARITY}[tp2_ddp2_bf16]",),
+    ),
+    Mutant(
+        "split_backward_grads_not_reduced",
+        "ZeRO 0-2 under a split-backward pipeline schedule: the weight pass's gradients (which "
+        "fire no hook) are never reduced over the data-parallel ranks",
+        "training/step.py",
+        "                _finish_gradient_sync(setup.model_parts)\n",
+        "",
+        (f"{PP_PARITY}[pp2_zero1_interleaved_zb_accum]",),
+    ),
 ]
 
 

@@ -307,10 +307,11 @@ def moe_local_blocks(nproc: int, args: list[str], n_layers: int) -> int | None:
     shards = expected_layout(nproc, args, n_layers)["block_divisor"] // tp
     layers = n_layers // int(o.get("parallelism.pipeline_parallel_degree", 1))
     attention = 64 * 128 * 2 + 64 * 64 * 2  # wq, wo (4 heads x 32) and wk, wv (2 kv heads)
-    moe = 8 * 64 + 3 * 8 * 128 * 64  # router, 8 experts' w1 / w2 / w3
+    router, experts = 8 * 64, 3 * 8 * 128 * 64  # router, 8 experts' w1 / w2 / w3
     ep = int(o.get("parallelism.expert_parallel_degree", 1))
-    # the experts are split over the EP ranks even where nothing else is sharded (ZeRO-0)
-    return layers * (attention // (tp * shards) + moe // max(shards, ep))
+    # the experts are split over the EP ranks even where nothing else is sharded (ZeRO-0);
+    # the router is replicated over them
+    return layers * (attention // (tp * shards) + router // shards + experts // max(shards, ep))
 
 
 def assert_router_parity(ref, run, first: int = 1, tol: float = ROUTER_TOL) -> None:

@@ -48,6 +48,16 @@ def _set_grad_sync(model_parts: list[nn.Module], enabled: bool) -> None:
             part.set_requires_gradient_sync(enabled)
 
 
+def _finish_gradient_sync(model_parts: list[nn.Module]) -> None:
+    """Data-parallel wrappers that reduce gradients in hooks (ZeRO 0-2) reduce here what a
+    pipeline schedule's split backward left unreduced: its weight pass assigns `.grad`
+    without firing the hooks (torch calls FSDP2's reduction itself)."""
+    for part in model_parts:
+        for module in part.modules():
+            if hasattr(module, "finish_gradient_sync"):
+                module.finish_gradient_sync()
+
+
 def _pp_step_kwargs(schedule) -> dict:
     """Where torch allows it (newer than some 2.x releases), the last stage does not keep
     every microbatch's full logits as step outputs: they are large and unused here."""
@@ -93,6 +103,7 @@ def train_step(setup: StepSetup, microbatches: list[tuple[torch.Tensor, torch.Te
                         **kwargs,
                         **_pp_step_kwargs(setup.pp_schedule),
                     )
+                _finish_gradient_sync(setup.model_parts)
                 if setup.pp_last_stage:
                     total += torch.stack([x.detach() for x in losses]).sum()
     return total

@@ -93,6 +93,9 @@ LAYOUTS = {
     "fsdp2_bf16": (2, {LB: 4, **BF16}),
     "zero2_2_accum_bf16": (2, {**z(2), LB: 2, GB: 8, **BF16}),
     "tp2_fsdp2_bf16": (4, {TP: 2, LB: 4, **BF16}),
+    # DDP's bf16 compute copies of TP weights: a gradient that comes back in another
+    # placement than its weight's (the embedding's) is redistributed before the reduction
+    "tp2_ddp2_bf16": (4, {**z(0), TP: 2, LB: 4, **BF16}),
     # Llama 3.2's tied embeddings (flavor 1B at the tiny shape): one process, then TP 2 x FSDP
     # 2, where TP distributes the two modules' weights and the family ties them again
     "tied_one_process": (1, {"model__flavor": "1B"}),

@@ -49,6 +49,7 @@ def _pp(schedule: str, microbatch: int, pp: str = "2", **kw) -> list[str]:
 LB, GB = "training__local_batch_size", "training__global_batch_size"
 TP = "parallelism__tensor_parallel_degree"
 SPLIT = "parallelism__pipeline_parallel_split_points"
+ZERO = "parallelism__zero_stage"
 # Validation batches per evaluation: runs with a smaller local batch take more of them, so
 # every run validates on the same 16 sequences as the reference (2 batches of 8).
 VS = "validation__steps"
@@ -78,6 +79,12 @@ LAYOUTS = {
     "pp2_1f1b_accum_split": (
         2,
         _pp("1F1B", 1, **{LB: "2", GB: "8", SPLIT: '["layers.1"]', VS: "8"}),
+    ),
+    # PP x ZeRO-1 with accumulation (2 steps) under split backward: the weight pass fires no
+    # gradient hook, so the step reduces what it left (training/step.py)
+    "pp2_zero1_interleaved_zb_accum": (
+        4,
+        _pp("InterleavedZeroBubble", 1, **{LB: "2", GB: "8", VS: "4", ZERO: "1"}),
     ),
     # PP x FSDP with accumulation (2 steps); the pipeline runtime drives FSDP's reduction
     "pp2_fsdp2_zbv_accum": (4, _pp("ZBVZeroBubble", 1, **{LB: "2", GB: "8", VS: "4"})),

@@ -135,15 +135,6 @@ def test_check_config_rejects_bad_pipelines_before_any_work(argv, match):
         check_config(_cfg(*argv), world_size=2)
 
 
-def test_v_schedules_with_zero_0_2_are_refused():
-    """A known bug the combination matrix found: refused until fixed; FSDP accepted."""
-    v = ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "--parallelism.zero_stage",
-         "1", "--training.local_batch_size", "4"]  # fmt: skip
-    with pytest.raises(ParallelismError, match="not updated correctly"):
-        check_config(_cfg(*v), world_size=4)
-    check_config(_cfg(*v[:2], *v[4:]), world_size=4)
-
-
 SPLIT_BACKWARD = ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 
 
