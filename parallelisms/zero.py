@@ -133,9 +133,6 @@ class _Param:
     layout: _Layout | None = None  # stages 1-2
     hook: object | None = None
     pending: tuple | None = None  # in-flight reduction: (work, result, its input, result is a copy)
-    # stage 0 where compute is master: (weak reference, version) of the gradient as its last
-    # reduction left it, so that `finish_unhooked` does not reduce it again
-    reduced: tuple | None = None
 
     @property
     def aliased(self) -> bool:
@@ -348,8 +345,6 @@ class ZeroState:
         work.wait()
         reduced.div_(self.divide)
         self._set_master_grad(p, reduced, copied)
-        grad = p.compute.grad
-        p.reduced = None if grad is None else (weakref.ref(grad), grad._version)
 
     @torch.no_grad()
     def _finish_backward(self) -> None:
@@ -362,22 +357,19 @@ class ZeroState:
             self._register(compute=False)
 
     @torch.no_grad()
-    def finish_unhooked(self) -> None:
-        """Reduces the gradients that reached the compute parameters without their
-        post-accumulate-grad hook, then registers the masters: torch pipelining's split
-        backward (the zero-bubble schedules' weight pass) assigns `param.grad` itself, which
-        fires no hook. Where the compute parameter is the master (stage 0 in its own dtype) its
-        gradient is reduced again only if it changed since its last reduction: a partly reduced
-        one is fine to reduce as a whole, every rank holds the same reduced part."""
-        if not self.sync:  # an accumulation micro-step: the gradients stay local
+    def reduce_local_gradients(self) -> None:
+        """Reduces the gradients that backward accumulated locally with gradient sync off,
+        as the hooks would have with it on, and registers the masters. A pipeline schedule
+        runs its backward passes so: reducing once per schedule step, not per microbatch,
+        keeps a stage-0 gradient from being averaged again with the next microbatch's added
+        (wrong where the divisor is not the group size: experts under EP), and torch's
+        split backward (the zero-bubble schedules' weight pass) assigns `param.grad` itself,
+        firing no hook at all. A no-op while sync is off (an accumulation micro-step)."""
+        if not self.sync:
             return
         for p in self.params:
-            grad = p.compute.grad
-            if grad is None or p.pending is not None:
-                continue
-            if p.reduced is not None and p.reduced[0]() is grad and p.reduced[1] == grad._version:
-                continue  # what its hook reduced, unchanged since
-            self._reduce(p)
+            if p.compute.grad is not None and p.pending is None:
+                self._reduce(p)
         for p in self.in_flight:
             self._complete(p)
         self.in_flight.clear()
@@ -425,13 +417,16 @@ class ZeroModule:
     _zero: ZeroState
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
-        """Off: backward accumulates full local gradients without communication."""
-        self._zero.sync = requires_gradient_sync
+        """Off: backward accumulates full local gradients without communication; for this
+        module and the ZeRO-wrapped modules inside it (the experts), as FSDP2's does."""
+        for module in self.modules():
+            if isinstance(module, ZeroModule):
+                module._zero.sync = requires_gradient_sync
 
-    def finish_gradient_sync(self) -> None:
-        """After a backward that bypassed the gradient hooks (a pipeline's split backward):
-        reduces what is left, as the hooks would have (`ZeroState.finish_unhooked`)."""
-        self._zero.finish_unhooked()
+    def reduce_local_gradients(self) -> None:
+        """After backward passes run with gradient sync off (a pipeline schedule step), with
+        it on again: reduces what they accumulated (`ZeroState.reduce_local_gradients`)."""
+        self._zero.reduce_local_gradients()
 
     def _apply(self, fn, recurse: bool = True):
         out = super()._apply(fn, recurse)

@@ -37,6 +37,7 @@ MOE_UNIT = "tests/unit/test_moe.py"
 CP_PARITY = "tests/integration/test_cp_parity.py::test_cp_layout_matches_one_process"
 CP_UNIT = "tests/unit/test_context_parallel.py"
 OPTION = "tests/unit/test_option_effects.py::test_option_takes_effect"
+FP64_PARITY = "tests/integration/test_fp64_parity.py::test_fp64_layout_matches_one_process"
 RESUME = "tests/unit/test_option_effects.py::test_resume_restores_every_counter"
 
 
@@ -380,9 +381,28 @@ MUTANTS = [
         "ZeRO 0-2 under a split-backward pipeline schedule: the weight pass's gradients (which "
         "fire no hook) are never reduced over the data-parallel ranks",
         "training/step.py",
-        "                _finish_gradient_sync(setup.model_parts)\n",
+        "                _reduce_local_gradients(setup.model_parts)\n",
         "",
         (f"{PP_PARITY}[pp2_zero1_interleaved_zb_accum]",),
+    ),
+    Mutant(
+        "expert_grad_sync_not_turned_off",
+        "ZeRO 0-2: turning gradient sync off (accumulation micro-steps, a pipeline schedule) "
+        "does not reach the experts' own ZeRO state, which then reduce every micro-step",
+        "parallelisms/zero.py",
+        "        for module in self.modules():\n            if isinstance(module, ZeroModule):\n"
+        "                module._zero.sync = requires_gradient_sync\n",
+        "        self._zero.sync = requires_gradient_sync\n",
+        (f"{FP64_PARITY}[moe_ep2_ddp_accum]",),
+    ),
+    Mutant(
+        "zero_reduces_every_pipeline_microbatch",
+        "ZeRO 0-2 under pipeline parallelism reduce in every microbatch's backward: a stage-0 "
+        "gradient already averaged is averaged again with the next microbatch's added",
+        "training/step.py",
+        "                _set_grad_sync(setup.model_parts, False)\n",
+        "",
+        (f"{FP64_PARITY}[moe_ep2_pp2_ddp]",),
     ),
 ]
 

@@ -342,8 +342,8 @@ def load(path: Path = DESIGN_FILE) -> Design:
 def table(report: Path) -> str:
     """A markdown table of a run's report (MESHTRAIN_MATRIX_REPORT's JSON lines)."""
     lines = ["| row | ranks | options (other than the first level of each factor) | outcome | "
-             "step-1 loss | step-1 grad norm | worst loss | worst grad norm |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+             "step-1 loss | step-1 grad norm | worst loss | worst grad norm | s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     records = sorted(
         (json.loads(x) for x in report.read_text().splitlines()), key=lambda r: r["row"]
     )
@@ -351,7 +351,7 @@ def table(report: Path) -> str:
         nums = [f"{r[k]:.1e}" if k in r else "" for k in
                 ("step1_loss", "step1_grad_norm", "loss", "grad_norm")]  # fmt: skip
         lines.append(f"| {r['row']} | {r['ranks']} | {r['label']} | {r['outcome']} | "
-                     + " | ".join(nums) + " |")  # fmt: skip
+                     + " | ".join(nums) + f" | {r.get('seconds', '')} |")  # fmt: skip
     return "\n".join(lines)
 
 

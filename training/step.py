@@ -48,14 +48,14 @@ def _set_grad_sync(model_parts: list[nn.Module], enabled: bool) -> None:
             part.set_requires_gradient_sync(enabled)
 
 
-def _finish_gradient_sync(model_parts: list[nn.Module]) -> None:
-    """Data-parallel wrappers that reduce gradients in hooks (ZeRO 0-2) reduce here what a
-    pipeline schedule's split backward left unreduced: its weight pass assigns `.grad`
-    without firing the hooks (torch calls FSDP2's reduction itself)."""
+def _reduce_local_gradients(model_parts: list[nn.Module]) -> None:
+    """Data-parallel wrappers that reduce gradients in hooks (ZeRO 0-2) reduce here, once per
+    pipeline schedule step, what its backward passes accumulated with sync off (torch calls
+    FSDP2's reduction itself)."""
     for part in model_parts:
         for module in part.modules():
-            if hasattr(module, "finish_gradient_sync"):
-                module.finish_gradient_sync()
+            if hasattr(module, "reduce_local_gradients"):
+                module.reduce_local_gradients()
 
 
 def _pp_step_kwargs(schedule) -> dict:
@@ -94,6 +94,8 @@ def train_step(setup: StepSetup, microbatches: list[tuple[torch.Tensor, torch.Te
                 total += loss.detach()
             else:
                 args, target, losses = pipeline_call(setup, inputs, labels)
+                # ZeRO 0-2 reduce after the schedule, not in each microbatch's backward
+                _set_grad_sync(setup.model_parts, False)
                 with setup.autocast():  # the schedule runs the backward passes itself
                     # every stage gets the keyword arguments, split into microbatches
                     setup.pp_schedule.step(
@@ -103,7 +105,8 @@ def train_step(setup: StepSetup, microbatches: list[tuple[torch.Tensor, torch.Te
                         **kwargs,
                         **_pp_step_kwargs(setup.pp_schedule),
                     )
-                _finish_gradient_sync(setup.model_parts)
+                _set_grad_sync(setup.model_parts, i == len(microbatches) - 1)
+                _reduce_local_gradients(setup.model_parts)
                 if setup.pp_last_stage:
                     total += torch.stack([x.detach() for x in losses]).sum()
     return total

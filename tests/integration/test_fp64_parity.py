@@ -27,6 +27,7 @@ from parity import (
     assert_router_parity,
     family_runs,
     final_weights,
+    moe_local_blocks,
     selected_runs,
 )
 
@@ -39,6 +40,7 @@ PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_pa
        "1F1B", "--parallelism.pipeline_parallel_microbatch_size", "2"]  # fmt: skip
 CP2 = ["--parallelism.context_parallel_degree", "2"]
 EP2 = ["--parallelism.expert_parallel_degree", "2"]
+ZERO0 = ["--parallelism.zero_stage", "0"]
 MOE = ["--model.name", "qwen3_moe", "--optimizer.lr", "1e-3"]  # lr: see test_moe_parity.py
 # PP splits a rank's batch into microbatches, each with its own load-balancing loss, so the
 # PP run and its reference use the per-token z-loss and the bias balancing instead
@@ -70,6 +72,10 @@ LAYOUTS = {
     "qwen3_tp2": on("qwen3", 2, *TP2),
     "moe_ep2": on("moe", 2, *EP2, *LB, "4"),
     "moe_ep2_pp2": on("moe_z_bias", 4, *EP2, *PP2, *LB, "4"),
+    # DDP's experts average over fewer ranks than they divide by (EP ranks hold the sum over
+    # the EP group's tokens): reduced once per step, after accumulation or the schedule
+    "moe_ep2_ddp_accum": on("moe_z_bias", 2, *EP2, *ZERO0, *LB, "2", *GB, "8"),
+    "moe_ep2_pp2_ddp": on("moe_z_bias", 4, *EP2, *PP2, *ZERO0, *LB, "4"),
 }
 
 
@@ -88,7 +94,7 @@ def runs(request, tmp_path_factory):
 def test_fp64_layout_matches_one_process(runs, name):
     ranks, _, reference = LAYOUTS[name]
     run, ref = runs[name].check(), runs[reference].check()
-    assert_layout(run.folder, ranks, run.args)
+    assert_layout(run.folder, ranks, run.args, 2, moe_local_blocks(ranks, run.args, 2))
     weights = final_weights(run.folder, STEPS)
     assert {w.dtype for w in weights.values()} == {torch.float64}, "not float64 weights"
     worst = assert_parity(ref.folder, run.folder, FP64, step=STEPS)
