@@ -221,7 +221,7 @@ def _all_pairs() -> set[tuple]:
 
 def _complete(fixed: dict, uncovered: set, rng: random.Random) -> Row:
     """A row holding `fixed`, the other factors chosen one by one (in random order) for the
-    most still-uncovered pairs with the values chosen so far, ties broken at random."""
+    most still-uncovered pairs with the values chosen so far."""
     values = dict(fixed)
     for factor in rng.sample(list(FACTORS), len(FACTORS)):
         if factor in values:
@@ -233,10 +233,19 @@ def _complete(fixed: dict, uncovered: set, rng: random.Random) -> Row:
                 for f, v in values.items()
             )
 
-        levels = list(FACTORS[factor])
-        rng.shuffle(levels)
-        values[factor] = max(levels, key=gain)
+        # ties go to the earlier level: each factor lists its cheapest (off, none, 1) first
+        levels = FACTORS[factor]
+        values[factor] = max(levels, key=lambda level: (gain(level), -levels.index(level)))
     return Row(tuple(values[f] for f in FACTORS))
+
+
+def cost(row: Row) -> float:
+    """A row's launch time in units of one uncompiled rank, as measured on the 2-core machine
+    (seed-23 design, 2026-12-02: 4 ranks 10.6 s, compiled 45 s, compiled and relaunched
+    79-89 s): the design's generator spends it where it covers the most new pairs."""
+    compiled = 4.3 if row["compile"] != "off" else 1.0
+    relaunched = 1.8 if row["relaunch"] != "none" else 1.0
+    return degrees(row)["world"] * compiled * relaunched
 
 
 def _repair(row: Row, keep: set, rng: random.Random, tries: int) -> Row | None:
@@ -275,8 +284,8 @@ def generate(seed: int = DEFAULT_SEED, candidates: int = 12, tries: int = 40) ->
         for row in [_repair(r, set(fixed), rng, tries) for r in tried] + [_smallest(target)]:
             if row is None or refusal(row) or target not in row.pairs():
                 continue
-            # new pairs, less a rank's cost: a row of 8 ranks must cover 2 more than one of 4
-            key = len(row.pairs() & uncovered) - degrees(row)["world"] / 2
+            # new pairs per unit of launch time
+            key = len(row.pairs() & uncovered) / cost(row)
             if best_key is None or key > best_key:
                 best, best_key = row, key
         if best is None:
@@ -289,11 +298,13 @@ def generate(seed: int = DEFAULT_SEED, candidates: int = 12, tries: int = 40) ->
 
 
 def _smallest(pair: tuple) -> Row:
-    """The row holding `pair` with every other factor at its first level; the model that the
-    pair needs (experts for EP) where it names none."""
+    """The row holding `pair` with every other factor at its first level; the model and the
+    data parallelism that the pair needs (experts and shard ranks for EP) where it names none."""
     values = {f: levels[0] for f, levels in FACTORS.items()} | dict(pair)
     if values["ep"] != 1 and "model" not in dict(pair):
         values["model"] = "qwen3_moe"
+    if values["ep"] != 1 and "dp" not in dict(pair):
+        values["dp"] = "fsdp"  # EP ranks are drawn from the FSDP shard ranks
     if degrees(Row(tuple(values[f] for f in FACTORS)))["world"] == 1:
         # one rank alone is the reference, not a row: 2 ranks of a factor the pair leaves free
         factor, level = next(
