@@ -57,8 +57,11 @@ DESIGN = load(os.environ.get("MESHTRAIN_MATRIX_DESIGN") or DESIGN_FILE)
 ROWS = {f"row{i:02d}": row for i, row in enumerate(DESIGN.rows)}
 
 # bf16 compute against the one-process bf16 run (autocast there, FSDP's / ZeRO's bf16 copies of
-# the weights in the rows): measured worst over the design (see docs/combination_matrix.md)
+# the weights in the rows), measured worst over three designs (seed 23 twice, seed 7; see
+# docs/combination_matrix.md): over the 4 steps loss 3.6e-4, grad norm 5.5e-3; at step 1, before
+# any update amplifies the rounding, loss 1.5e-5, grad norm 8.8e-4. Kept at about 4-7x.
 BF16 = Tolerance(loss=2e-3, grad_norm=2e-2, weights=0.0, weights_norm=0.0)
+BF16_STEP1 = Tolerance(loss=1e-4, grad_norm=4e-3, weights=0.0, weights_norm=0.0)
 
 
 def tolerance(row: Row) -> Tolerance:
@@ -123,11 +126,13 @@ def check_row(runs, name: str, diffs: dict) -> None:
     assert sorted(losses) == list(range(1, STEPS + 1)), losses
     assert all(math.isfinite(v) for v in losses.values()), losses
     tol = tolerance(row)
-    for key, t in (("loss", tol.loss), ("grad_norm", tol.grad_norm)):
+    first = BF16_STEP1 if tol is BF16 else tol
+    for key in ("loss", "grad_norm"):
         want, got = by_step(ref.folder, key), by_step(run.folder, key)
         diffs[f"step1_{key}"] = _rel(got[1], want[1])
-        assert diffs[f"step1_{key}"] <= t, f"step 1 {key}: {got[1]} vs {want[1]} ({row.label})"
-        diffs[key] = assert_series(want, got, f"{key} ({row.label})", t)
+        t1 = getattr(first, key)
+        assert diffs[f"step1_{key}"] <= t1, f"step 1 {key}: {got[1]} vs {want[1]} ({row.label})"
+        diffs[key] = assert_series(want, got, f"{key} ({row.label})", getattr(tol, key))
     if row["relaunch"] != "none":
         again = runs[f"{name}_again"].check()
         first = 3 if row["relaunch"] == "resume_async" else 1
