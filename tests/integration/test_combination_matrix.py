@@ -2,7 +2,7 @@
 design of `tests/matrix.py` (every pair of values of model family, TP, PP schedule, CP, EP,
 data-parallel kind and ZeRO stage, AC mode, compile components, document masking, precision,
 accumulation, CPU offload, and a second launch: async-checkpoint resume or a rerun on the warm
-compile cache), each row a 4-step run on 2-8 gloo ranks.
+compile cache), each row a 4-step run on 1-4 gloo ranks.
 
 Each row must
 - build the layout it asks for (`layout.json`, tests/parity.py's `assert_layout`);
