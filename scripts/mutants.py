@@ -1,0 +1,385 @@
+"""The mutation check's catalogue (`scripts/mutation_check.py` runs it): each planted bug is
+one exact text replacement in one product file, with the tests that must catch it. A new
+feature adds its planted bug here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PARITY = "tests/integration/test_parallel_parity.py::test_layout_matches_one_process"
+PP_PARITY = "tests/integration/test_pipeline_parity.py::test_pipeline_matches_one_process"
+QWEN3_PARITY = "tests/integration/test_qwen3_parity.py::test_qwen3_layout_matches_one_process"
+CONTRACT = "tests/unit/test_model_contract.py"
+MOE_PARITY = "tests/integration/test_moe_parity.py::test_moe_layout_matches_one_process"
+MOE_UNIT = "tests/unit/test_moe.py"
+CP_PARITY = "tests/integration/test_cp_parity.py::test_cp_layout_matches_one_process"
+CP_UNIT = "tests/unit/test_context_parallel.py"
+OPTION = "tests/unit/test_option_effects.py::test_option_takes_effect"
+FP64_PARITY = "tests/integration/test_fp64_parity.py::test_fp64_layout_matches_one_process"
+RESUME = "tests/unit/test_option_effects.py::test_resume_restores_every_counter"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    bug: str  # what is planted, in words
+    path: str  # product file, relative to the repository root
+    old: str  # exact text; must occur once in the file
+    new: str
+    tests: tuple[str, ...]  # pytest node ids that must catch it
+
+
+MUTANTS = [
+    Mutant(
+        "zero1_1d_grads_not_averaged",
+        "ZeRO-1/DDP: 1-D (norm) gradients are not all-reduced across data-parallel ranks",
+        "parallelisms/zero.py",
+        "work = dist.all_reduce(local, group=self.group, async_op=True)",
+        "work = dist.all_reduce(\n"
+        "            local if local.ndim > 1 else local.new_zeros(()), group=self.group,"
+        " async_op=True\n        )",
+        (f"{PARITY}[zero1_2_ac_op]",),
+    ),
+    Mutant(
+        "weight_decay_on_norms_and_embeddings",
+        "weight decay applied to norms and embeddings (no no-decay group)",
+        "training/optimizer.py",
+        "(keep if any(s in name for s in no_decay) else decay).append(p)",
+        "decay.append(p)",
+        ("tests/unit/test_training_units.py::test_no_weight_decay_on_norms_and_embeddings",),
+    ),
+    Mutant(
+        "tp_not_applied",
+        "tensor parallelism silently not applied (TP mesh built, plan skipped)",
+        "models/llama3/parallelize.py",
+        "    if parallel_dims.tp_enabled:\n",
+        "    if False:\n",
+        (f"{PARITY}[tp2]",),
+    ),
+    Mutant(
+        "ac_not_applied",
+        "activation checkpointing silently not applied",
+        "models/llama3/parallelize.py",
+        '    if ac.mode != "none":\n',
+        "    if False:\n",
+        (f"{PARITY}[ddp4_ac_full]",),
+    ),
+    Mutant(
+        "compile_not_applied",
+        "torch.compile silently not applied to the blocks",
+        "models/llama3/parallelize.py",
+        '    if comp.enable and "model" in comp.components:\n',
+        "    if False:\n",
+        (f"{PARITY}[tp2_compile_ac_op]",),
+    ),
+    Mutant(
+        "pp_stage_left_out_of_clip",
+        "gradient clipping: one pipeline stage's gradients left out of the global norm",
+        "training/step.py",
+        "dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=pp_group)",
+        "dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=pp_group)",
+        (f"{PP_PARITY}[pp2_1f1b]",),
+    ),
+    Mutant(
+        "loss_over_local_tokens_under_accumulation",
+        "loss divided by the micro-batch's tokens instead of the optimizer step's",
+        "training/trainer.py",
+        "return token_loss_sum(logits, labels) / tokens_per_rank_step",
+        "return token_loss_sum(logits, labels) / (cfg.training.local_batch_size * "
+        "cfg.training.seq_len)",
+        (f"{PARITY}[zero2_2_accum_ac_sel2]",),
+    ),
+    Mutant(
+        "dp_offset_off_by_one",
+        "data-parallel slice offset off by one (ranks 0 and 1 read the same sequences)",
+        "data/dataloader.py",
+        "keep=k % self.dp_degree == self.dp_rank",
+        "keep=k % self.dp_degree == max(self.dp_rank - 1, 0)",
+        ("tests/unit/test_data_loader.py::test_rank_slices_partition_global_batch",),
+    ),
+    Mutant(
+        "hsdp_replicas_not_averaged",
+        "HSDP: gradients not averaged across the replicate groups (FSDP over dp_shard only)",
+        "parallelisms/fsdp.py",
+        "    if parallel_dims.dp_replicate > 1:\n        return parallel_dims.mesh[",
+        "    if False:\n        return parallel_dims.mesh[",
+        (f"{PARITY}[hsdp_2x2]",),
+    ),
+    Mutant(
+        "lr_scheduler_not_restored",
+        "resume: the LR scheduler's state is not restored",
+        "checkpoint/state.py",
+        '        lr_scheduler.load_state_dict(sd["lr_scheduler"])\n',
+        "        pass\n",
+        ("tests/integration/test_checkpoint.py::test_resume_continues_bit_identically",),
+    ),
+    Mutant(
+        "loader_position_not_restored",
+        "resume: the data loader's position is not restored",
+        "data/dataloader.py",
+        '        """Continue from a saved global position (saved at any dp degree)."""\n',
+        '        """Continue from a saved global position (saved at any dp degree)."""\n'
+        "        return\n",
+        ("tests/unit/test_data_loader.py::test_exact_resume_in_fresh_loader",),
+    ),
+    Mutant(
+        "rope_scaling_ignored_for_8b",
+        "Llama 3.1 8B built without its RoPE frequency scaling",
+        "models/llama3/__init__.py",
+        "        multiple_of=1024,\n        rope_theta=500000,\n        use_scaled_rope=True,\n",
+        "        multiple_of=1024,\n        rope_theta=500000,\n        use_scaled_rope=False,\n",
+        ("tests/unit/test_model.py", "tests/unit/test_config.py"),
+    ),
+    Mutant(
+        "async_copy_not_awaited_before_step",
+        "async checkpoint: the optimizer steps before the save's copy of the weights is done",
+        "checkpoint/manager.py",
+        "register_step_pre_hook(\n            lambda *_: self.maybe_wait_for_staging()\n",
+        "register_step_pre_hook(\n            lambda *_: None\n",
+        ("tests/integration/test_checkpoint.py::test_optimizer_step_waits_for_the_async_copy",),
+    ),
+    Mutant(
+        "init_seed_depends_on_rank",
+        "initial weights drawn from a seed that depends on the rank",
+        "parallelisms/init_weights.py",
+        "gen = torch.Generator(device=where).manual_seed(param_seed(seed, name))",
+        "gen = torch.Generator(device=where).manual_seed(\n"
+        "            param_seed(seed + torch.distributed.get_rank(), name)\n        )",
+        (f"{PARITY}[zero3_4]",),
+    ),
+    Mutant(
+        "loss_replicas_ignore_pipeline",
+        "logged loss averaged over every rank although only last-stage ranks hold one",
+        "training/trainer.py",
+        "loss_replicas = parallel_dims.world_size // parallel_dims.pp",
+        "loss_replicas = parallel_dims.world_size",
+        (f"{PP_PARITY}[pp2_1f1b]",),
+    ),
+    Mutant(
+        "clip_norm_of_one_group",
+        "global gradient norm taken from one group of gradients (e.g. the TP-sharded ones)",
+        "training/step.py",
+        "    elif len(norms) == 1:\n",
+        "    elif True:\n",
+        (f"{PARITY}[tp2]",),
+    ),
+    Mutant(
+        "tied_weights_not_retied",
+        "shared (tied) parameters not tied again after materialisation (to_empty unties them)",
+        "parallelisms/init_weights.py",
+        '    if hasattr(model, "tie_weights"):\n        model.tie_weights()\n',
+        "",
+        (f"{CONTRACT}::test_tied_weights_survive_materialisation",),
+    ),
+    Mutant(
+        "tp_plan_gap_silent",
+        "a parameter no TP plan entry covers is left replicated without a word",
+        "parallelisms/tensor_parallel.py",
+        "    if missed:\n",
+        "    if False:\n",
+        (
+            "tests/integration/test_model_contract_runs.py::test_tp_plan_gaps_are_named_at_parallelize_time",
+        ),
+    ),
+    Mutant(
+        "tied_embeddings_in_their_own_fsdp_unit",
+        "tied embeddings get their own FSDP unit, apart from the output sharing them",
+        "parallelisms/fsdp.py",
+        "    if tied:\n",
+        "    if False:\n",
+        (f"{QWEN3_PARITY}[tied_fsdp2]",),
+    ),
+    Mutant(
+        "moe_topk_not_renormalised",
+        "MoE: the top-k router weights are not renormalised to sum to one",
+        "models/qwen3_moe/model.py",
+        "            weights = weights / weights.sum(dim=-1, keepdim=True)\n",
+        "            weights = weights\n",
+        (f"{MOE_UNIT}::test_moe_forward_equals_routing_each_token_by_hand",),
+    ),
+    Mutant(
+        "moe_aux_loss_per_rank",
+        "MoE: the load-balancing statistics are this rank's, not the global micro-batch's",
+        "models/qwen3_moe/parallelize.py",
+        "            moe.reduce_stats = reduce\n",
+        "            moe.reduce_stats = None\n",
+        (f"{MOE_PARITY}[ep2]",),
+    ),
+    Mutant(
+        "ep_dispatch_split_off_by_one",
+        "EP: the local expert splits are off by one (a row of the last expert goes to the first)",
+        "parallelisms/expert_parallel.py",
+        "    return arrived[perm], received.sum(0), weights\n",
+        "    local = received.sum(0)\n    local[0] += 1\n    local[-1] -= 1\n"
+        "    return arrived[perm], local, weights\n",
+        (f"{MOE_PARITY}[ep2]",),
+    ),
+    Mutant(
+        "ep_expert_grads_not_divided_by_dp",
+        "EP: the experts' gradients are averaged over the FSDP ranks outside EP only (their sum "
+        "over the EP group's tokens is not divided by the whole DP degree)",
+        "models/qwen3_moe/parallelize.py",
+        "gradient_divide_factor=divide)",
+        "gradient_divide_factor=None)",
+        (f"{MOE_PARITY}[ep2_fsdp2_bias]",),
+    ),
+    Mutant(
+        "ep_expert_grads_divided_twice",
+        "EP: on one shard rank FSDP2 divides the experts' gradients by the DP degree and the "
+        "hook divides them again",
+        "parallelisms/fsdp.py",
+        "    module.set_gradient_divide_factor(1.0)\n",
+        "    module.set_gradient_divide_factor(factor)\n",
+        (f"{MOE_PARITY}[ep2]",),
+    ),
+    Mutant(
+        "moe_recompute_counted_twice",
+        "MoE: activation checkpointing's recomputed forward counts the routing statistics again",
+        "models/qwen3_moe/model.py",
+        "            if self.counting and not _in_backward():\n                self.tokens",
+        "            if self.counting:\n                self.tokens",
+        (f"{MOE_UNIT}::test_recomputed_forward_counts_tokens_once", f"{MOE_PARITY}[ep4_ac]"),
+    ),
+    Mutant(
+        "cp_local_rope_positions",
+        "CP: RoPE uses each rank's local positions 0..seq/cp-1 instead of its tokens' global ones",
+        "parallelisms/context_parallel.py",
+        'kwargs = {"positions": mine.expand(batch, -1)}',
+        'kwargs = {"positions": torch.arange(len(mine), device=inputs.device).expand(batch, -1)}',
+        (
+            f"{CP_UNIT}::test_cp_shard_mask_is_the_full_mask_between_its_queries_and_the_gathered_keys",
+            f"{CP_PARITY}[llama_cp2]",
+        ),
+    ),
+    Mutant(
+        "cp_mask_off_by_one_chunk",
+        "CP: causal attention lets each chunk see the next chunk too (its mask one chunk late)",
+        "parallelisms/context_parallel.py",
+        "end = (index + 1) * chunk",
+        "end = min(index + 2, 2 * cp) * chunk",
+        (f"{CP_PARITY}[llama_cp2]",),
+    ),
+    Mutant(
+        "cp_document_mask_keys_shifted",
+        "CP with document masking: the mask takes the gathered keys' positions shifted by one "
+        "chunk",
+        "parallelisms/context_parallel.py",
+        "return torch.cat([local_positions(seq_len, r, cp, device) for r in range(cp)])",
+        "return torch.cat([local_positions(seq_len, r, cp, device) for r in range(cp)]).roll(\n"
+        "        seq_len // (2 * cp)\n    )",
+        (f"{CP_PARITY}[llama_cp2_doc]",),
+    ),
+    Mutant(
+        "cp_grads_averaged_per_cp_rank",
+        "CP: FSDP shards and averages over the data-parallel ranks only (dp_shard, not "
+        "dp_shard_cp), so each CP rank's weights learn from its own chunks' loss",
+        "parallelisms/fsdp.py",
+        'def fsdp_mesh(parallel_dims: ParallelDims, shard_dim: str = "dp_shard_cp")',
+        'def fsdp_mesh(parallel_dims: ParallelDims, shard_dim: str = "dp_shard")',
+        (f"{CP_PARITY}[llama_cp2_fsdp2_ac]",),
+    ),
+    Mutant(
+        "cp_loss_over_whole_sequences",
+        "CP: each rank divides its loss by the whole sequences' token count, not its own "
+        "(the global mean comes out cp times too small)",
+        "training/trainer.py",
+        "tokens = t.local_batch_size * (t.seq_len // cp) * accum_steps",
+        "tokens = t.local_batch_size * t.seq_len * accum_steps",
+        (f"{CP_PARITY}[llama_cp4_accum]",),
+    ),
+    Mutant(
+        "fp64_loss_in_float32",
+        "float64 mode: the loss rounds the logits to float32 (~1e-7 noise back in every layout)",
+        "training/loss.py",
+        "    logits = at_least_float32(logits.flatten(0, 1))\n",
+        "    logits = logits.flatten(0, 1).float()\n",
+        ("tests/unit/test_float64.py::test_float64_model_computes_in_float64_only",),
+    ),
+    Mutant(
+        "betas_beta1_twice",
+        "AdamW built with betas = (beta1, beta1): optimizer.beta2 never reaches the optimizer "
+        "(one process and every layout share the bug, so parity cannot see it)",
+        "training/optimizer.py",
+        '"betas": (cfg.beta1, cfg.beta2),',
+        '"betas": (cfg.beta1, cfg.beta1),',
+        (f"{OPTION}[optimizer.beta2]",),
+    ),
+    Mutant(
+        "eps_dropped",
+        "optimizer.eps not passed to AdamW (torch's default 1e-8 used whatever is configured)",
+        "training/optimizer.py",
+        '        "eps": cfg.eps,\n',
+        "",
+        (f"{OPTION}[optimizer.eps]",),
+    ),
+    Mutant(
+        "warmup_ignored",
+        "the LR schedule ignores lr_scheduler.warmup_steps (no warmup)",
+        "training/optimizer.py",
+        "s + 1, total_steps, cfg.warmup_steps, cfg.decay_ratio,",
+        "s + 1, total_steps, 0, cfg.decay_ratio,",
+        (f"{OPTION}[lr_scheduler.warmup_steps]",),
+    ),
+    Mutant(
+        "fsdp_reduce_dtype_ignored",
+        "FSDP reduces gradients in the compute dtype, not training.mixed_precision_reduce "
+        "(invisible to fp32 parity runs, where both are float32)",
+        "parallelisms/fsdp.py",
+        "MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)",
+        "MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=param_dtype)",
+        (f"{OPTION}[training.mixed_precision_reduce]",),
+    ),
+    Mutant(
+        "tokens_seen_not_restored",
+        "resume: the tokens-seen counter is not restored (restarts from 0)",
+        "training/loop.py",
+        'self.tokens_seen = int(state["tokens_seen"])',
+        "self.tokens_seen = self.tokens_seen",
+        (RESUME,),
+    ),
+    Mutant(
+        "rng_not_restored",
+        "resume: the RNG streams are not restored (the run's own seeding continues)",
+        "checkpoint/state.py",
+        '        set_rng_state(sd["rng"][f"rank{rank}"])\n',
+        "        pass\n",
+        (RESUME,),
+    ),
+    Mutant(
+        "ddp_bf16_tp_grad_placement_kept",
+        "DDP with bf16 compute under TP: a gradient in another placement than its weight's "
+        "(the embedding's) is wrapped in the weight's placement without redistribution",
+        "parallelisms/zero.py",
+        "            if grad.placements != want:\n",
+        "            if grad.placements != want and self.stage > 0:\n",
+        (f"{PARITY}[tp2_ddp2_bf16]",),
+    ),
+    Mutant(
+        "split_backward_grads_not_reduced",
+        "ZeRO 0-2 under a split-backward pipeline schedule: the weight pass's gradients (which "
+        "fire no hook) are never reduced over the data-parallel ranks",
+        "training/step.py",
+        "                _reduce_local_gradients(setup.model_parts)\n",
+        "",
+        (f"{PP_PARITY}[pp2_zero1_interleaved_zb_accum]",),
+    ),
+    Mutant(
+        "expert_grad_sync_not_turned_off",
+        "ZeRO 0-2: turning gradient sync off (accumulation micro-steps, a pipeline schedule) "
+        "does not reach the experts' own ZeRO state, which then reduce every micro-step",
+        "parallelisms/zero.py",
+        "        for module in self.modules():\n            if isinstance(module, ZeroModule):\n"
+        "                module._zero.sync = requires_gradient_sync\n",
+        "        self._zero.sync = requires_gradient_sync\n",
+        (f"{FP64_PARITY}[moe_ep2_ddp_accum]",),
+    ),
+    Mutant(
+        "zero_reduces_every_pipeline_microbatch",
+        "ZeRO 0-2 under pipeline parallelism reduce in every microbatch's backward: a stage-0 "
+        "gradient already averaged is averaged again with the next microbatch's added",
+        "training/step.py",
+        "                _set_grad_sync(setup.model_parts, False)\n",
+        "",
+        (f"{FP64_PARITY}[moe_ep2_pp2_ddp]",),
+    ),
+]
