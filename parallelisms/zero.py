@@ -347,12 +347,16 @@ class ZeroState:
         self._set_master_grad(p, reduced, copied)
 
     @torch.no_grad()
-    def _finish_backward(self) -> None:
+    def _finish_backward(self, waiting: int | None = None) -> None:
+        """Completes the reductions in flight; `waiting`: the forwards still waiting for their
+        backward (default: one fewer than before). The masters are registered when none is."""
         for p in self.in_flight:
             self._complete(p)
         self.in_flight.clear()
         self.callback_queued = False
-        self.pending_backwards = max(0, self.pending_backwards - 1)
+        if waiting is None:
+            waiting = self.pending_backwards - 1
+        self.pending_backwards = max(0, waiting)
         if self.pending_backwards == 0:
             self._register(compute=False)
 
@@ -370,12 +374,7 @@ class ZeroState:
         for p in self.params:
             if p.compute.grad is not None and p.pending is None:
                 self._reduce(p)
-        for p in self.in_flight:
-            self._complete(p)
-        self.in_flight.clear()
-        self.callback_queued = False
-        self.pending_backwards = 0
-        self._register(compute=False)
+        self._finish_backward(waiting=0)
 
     def _set_master_grad(self, p: _Param, reduced: torch.Tensor, copied: bool) -> None:
         """Moves a reduced gradient onto the master parameter (accumulating if one is there).

@@ -85,16 +85,18 @@ def train_step(setup: StepSetup, microbatches: list[tuple[torch.Tensor, torch.Te
     weights = next(setup.model_parts[0].parameters()).dtype
     total = torch.zeros((), device=microbatches[0][0].device, dtype=at_least_float32_dtype(weights))
     for i, (inputs, labels, kwargs) in enumerate(microbatches):
-        _set_grad_sync(setup.model_parts, i == len(microbatches) - 1)
+        sync = i == len(microbatches) - 1
         with setup.loss_context():
             if setup.pp_schedule is None:
+                _set_grad_sync(setup.model_parts, sync)
                 with setup.autocast():
                     loss = setup.loss_fn(setup.model_parts[0](inputs, **kwargs), labels)
                 loss.backward()
                 total += loss.detach()
             else:
                 args, target, losses = pipeline_call(setup, inputs, labels)
-                # ZeRO 0-2 reduce after the schedule, not in each microbatch's backward
+                # ZeRO 0-2 reduce once after the schedule, not in each microbatch's backward
+                # (torch's pipelining drives FSDP2's flag and reduction itself)
                 _set_grad_sync(setup.model_parts, False)
                 with setup.autocast():  # the schedule runs the backward passes itself
                     # every stage gets the keyword arguments, split into microbatches
@@ -105,7 +107,7 @@ def train_step(setup: StepSetup, microbatches: list[tuple[torch.Tensor, torch.Te
                         **kwargs,
                         **_pp_step_kwargs(setup.pp_schedule),
                     )
-                _set_grad_sync(setup.model_parts, i == len(microbatches) - 1)
+                _set_grad_sync(setup.model_parts, sync)
                 _reduce_local_gradients(setup.model_parts)
                 if setup.pp_last_stage:
                     total += torch.stack([x.detach() for x in losses]).sum()

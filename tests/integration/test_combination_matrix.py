@@ -126,11 +126,11 @@ def check_row(runs, name: str, diffs: dict) -> None:
     assert sorted(losses) == list(range(1, STEPS + 1)), losses
     assert all(math.isfinite(v) for v in losses.values()), losses
     tol = tolerance(row)
-    first = BF16_STEP1 if tol is BF16 else tol
+    step1_tol = BF16_STEP1 if tol is BF16 else tol
     for key in ("loss", "grad_norm"):
         want, got = by_step(ref.folder, key), by_step(run.folder, key)
         diffs[f"step1_{key}"] = _rel(got[1], want[1])
-        t1 = getattr(first, key)
+        t1 = getattr(step1_tol, key)
         assert diffs[f"step1_{key}"] <= t1, f"step 1 {key}: {got[1]} vs {want[1]} ({row.label})"
         diffs[key] = assert_series(want, got, f"{key} ({row.label})", getattr(tol, key))
     if row["relaunch"] != "none":
