@@ -554,22 +554,13 @@ def check_layout_options(cfg: JobConfig, dp: int, problems: Problems) -> None:
         )
 
 
-def validate(cfg: JobConfig) -> None:
-    """Cross-field checks that need no process group (world-size checks live in parallel_dims).
-
-    Every independent problem is collected and reported in one ConfigError."""
-    problems = Problems()
-    _check_unused(cfg, problems)
+def _check_batch_and_data(cfg: JobConfig, problems: Problems) -> None:
+    """The batch sizes, the training data and the validation data."""
     t = cfg.training
     if t.global_batch_size == 0:
         problems.add(
             "training.global_batch_size = 0: use -1 (local_batch_size x DP degree) or a "
             "positive multiple of local_batch_size x DP degree."
-        )
-    if cfg.parallelism.pipeline_parallel_layers_per_stage == 0:
-        problems.add(
-            "parallelism.pipeline_parallel_layers_per_stage = 0: use -1 (split the layers "
-            "evenly) or a positive number of layers per stage."
         )
     if t.global_batch_size != -1 and t.global_batch_size % t.local_batch_size:
         problems.add(
@@ -588,6 +579,20 @@ def validate(cfg: JobConfig) -> None:
             "validation.dataset_path: local files have no held-out split, so validating on "
             "training.dataset_path would measure the training data. Point it at held-out "
             "files, or set validation.enable = false."
+        )
+
+
+def validate(cfg: JobConfig) -> None:
+    """Cross-field checks that need no process group (world-size checks live in parallel_dims).
+
+    Every independent problem is collected and reported in one ConfigError."""
+    problems = Problems()
+    _check_unused(cfg, problems)
+    _check_batch_and_data(cfg, problems)
+    if cfg.parallelism.pipeline_parallel_layers_per_stage == 0:
+        problems.add(
+            "parallelism.pipeline_parallel_layers_per_stage = 0: use -1 (split the layers "
+            "evenly) or a positive number of layers per stage."
         )
     ac = cfg.activation_checkpoint
     if ac.mode == "selective" and ac.selective_ac_option != "op":

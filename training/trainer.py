@@ -310,6 +310,15 @@ def build_observers(cfg: JobConfig, rank: int, device: torch.device, start_step:
     return metrics, profiler, snapshot, PhaseTimer(device)
 
 
+def scaled_routing(cfg: JobConfig, model_parts: list[nn.Module], tokens_per_rank_step: int):
+    """The family's routing hooks (None without experts), their layers' own losses scaled as
+    the step loss is: they are token sums, divided by this rank's tokens per step."""
+    routing = get_model_spec(cfg.model.name).routing
+    if routing is not None:
+        routing.set_loss_scale(model_parts, 1.0 / tokens_per_rank_step)
+    return routing
+
+
 def build_run(cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, local_rank: int) -> Run:
     """Runtime, data, model, optimizer, schedule, checkpoint (resumed), step setup and
     observers, in that order."""
@@ -341,10 +350,7 @@ def build_run(cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, local_r
         batches.tokens_per_rank_step,
         sequence_split(cfg, parallel_dims, tokenizer),
     )
-    routing = get_model_spec(cfg.model.name).routing
-    if routing is not None:  # the layers' own losses are token sums, scaled as step_loss's
-        routing.set_loss_scale(model_parts, 1.0 / batches.tokens_per_rank_step)
-    loss_replicas = parallel_dims.world_size // parallel_dims.pp  # ranks per loss value x DP
+    routing = scaled_routing(cfg, model_parts, batches.tokens_per_rank_step)
     set_collective_timeout(cfg.comm.train_timeout_seconds)
     metrics, profiler, snapshot, phases = build_observers(cfg, rank, device, state.step)
     return Run(
@@ -361,7 +367,7 @@ def build_run(cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, local_r
         val_loader=val_loader,
         checkpointer=checkpointer,
         state=state,
-        loss_replicas=loss_replicas,
+        loss_replicas=parallel_dims.world_size // parallel_dims.pp,  # ranks per loss x DP
         flops_per_token=fpt,
         peak_flops=peak,
         metrics=metrics,
