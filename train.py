@@ -19,7 +19,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from checkpoint import CheckpointError
 from job_config import ConfigError, JobConfig, config_notes, config_to_toml, help_text, parse_args
-from job_config.loader import Problems, check_layout_options, validate
+from job_config.checks import check_layout_options, validate
+from job_config.problems import Problems
 from models import get_model_spec, import_families, model_args_for
 from parallelisms.parallel_dims import ParallelDims, ParallelismError
 from parallelisms.pipeline import validate_pipeline_config

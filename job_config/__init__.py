@@ -1,13 +1,8 @@
-"""Typed job configuration: schema (dataclasses) and loading (TOML + command line)."""
+"""Typed job configuration: schema (dataclasses), loading (TOML + command line), checks."""
 
-from job_config.loader import (
-    ConfigError,
-    config_notes,
-    config_to_toml,
-    help_text,
-    parse_args,
-    validate,
-)
+from job_config.checks import config_notes, validate
+from job_config.loader import config_to_toml, help_text, parse_args
+from job_config.problems import ConfigError
 from job_config.schema import JobConfig
 
 __all__ = [

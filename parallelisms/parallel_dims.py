@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from job_config.loader import Problems
+from job_config.problems import Problems
 
 logger = logging.getLogger("meshtrain")
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from job_config.loader import Problems
+from job_config.problems import Problems
 from parallelisms.parallel_dims import ParallelismError
 
 # Schedules whose stages sit on ranks in a V (rank r holds stages r and 2*pp - 1 - r), so the

@@ -291,7 +291,7 @@ def test_a_file_suffix_names_the_dataset_and_the_log_says_so(path, kind):
 
 def test_suffixes_match_the_data_readers():
     from data.sources import FILE_EXTENSIONS
-    from job_config.loader import _SUFFIX_DATASETS
+    from job_config.checks import _SUFFIX_DATASETS
 
     assert {s: k for k, suffixes in FILE_EXTENSIONS.items() for s in suffixes} == _SUFFIX_DATASETS
 

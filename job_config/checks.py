@@ -1,0 +1,372 @@
+"""Cross-field config checks that need no process group: options that the rest of the config
+would silently ignore (`_RULES`), batch, data, layout and feature checks. `validate` runs them
+all after loading; `train.check_config` adds the world-size checks. Every independent problem
+is reported in one ConfigError."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from job_config.problems import ConfigError, Problems
+from job_config.schema import JobConfig
+
+_DEFAULTS = JobConfig()
+# The suffixes that name one file dataset (as data.sources.FILE_EXTENSIONS reads them).
+_SUFFIX_DATASETS = {".txt": "text", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+_PIPELINE_KEYS = [
+    f"parallelism.pipeline_parallel_{k}"
+    for k in ("schedule", "microbatch_size", "layers_per_stage", "split_points")
+]
+
+
+def _value(cfg: JobConfig, name: str) -> Any:
+    section, _, key = name.partition(".")
+    return getattr(getattr(cfg, section), key)
+
+
+def _given(cfg: JobConfig, keys: list[str], because: list[str]) -> list[str]:
+    """The `keys` the user set to a non-default value (in the preset or on the command line).
+
+    Left out: preset values whose feature the command line switched off, i.e. a key in
+    `because` (the options that make `keys` moot) was given there: `--validation.enable false`
+    on a preset that sets validation.freq says what the user wants. A config built in code
+    (no `_cli_keys`) counts every non-default value as given.
+    """
+    cli = getattr(cfg, "_cli_keys", set())
+    excused = any(k in cli for k in because)
+    return [k for k in keys if _value(cfg, k) != _value(_DEFAULTS, k) and (k in cli or not excused)]
+
+
+def _unused(problems: Problems, cfg, keys, because, reason: str, fix: str) -> None:
+    """One error naming the given `keys` that have no effect because of `reason`."""
+    names = _given(cfg, keys, because)
+    if names:
+        one = len(names) == 1
+        effect, drop = ("it has", "it") if one else ("they have", "them")
+        message = (
+            f"{', '.join(names)} set but {reason}, so {effect} no effect: {fix} (or drop {drop})."
+        )
+        _add_ignored(problems, names, message)
+
+
+def _add_ignored(problems: Problems, names: list[str], message: str) -> None:
+    error = ConfigError(message)
+    error.ignored = names  # for ignored_options
+    problems.add(error)
+
+
+def ignored_options(cfg: JobConfig) -> set[str]:
+    """The non-default options that have no effect in `cfg`, whoever set them (validate
+    excuses a preset's, see _given): as if every value had been typed on the command line.
+    Repeated with those at their defaults until none is left, since one (validation.enable,
+    say) can be what made others count."""
+    probe = copy.deepcopy(cfg)
+    probe._cli_keys = {f"{s}.{k}" for s, keys in dataclasses.asdict(cfg).items() for k in keys}
+    ignored: set[str] = set()
+    while True:
+        problems = Problems()
+        _check_unused(probe, problems)
+        new = {name for e in problems.errors for name in getattr(e, "ignored", ())} - ignored
+        if not new:
+            return ignored
+        ignored |= new
+        for name in new:
+            section, _, key = name.partition(".")
+            setattr(getattr(probe, section), key, copy.deepcopy(_value(_DEFAULTS, name)))
+
+
+def config_notes(cfg: JobConfig) -> list[str]:
+    """What validation inferred (e.g. a dataset kind from a path's suffix), for the run log."""
+    return getattr(cfg, "_notes", [])
+
+
+def _check_dataset_path(cfg: JobConfig, problems: Problems, section: str) -> None:
+    """A dataset_path given with the sample dataset, which reads no path: infer the file kind
+    from an unambiguous suffix unless the command line chose 'sample', else reject."""
+    sec = getattr(cfg, section)
+    kind_key, path_key = f"{section}.dataset", f"{section}.dataset_path"
+    if (sec.dataset or cfg.training.dataset) != "sample":
+        return
+    if not _given(cfg, [path_key], [kind_key, "training.dataset"]):
+        return
+    path = sec.dataset_path
+    kind = _SUFFIX_DATASETS.get(Path(path).suffix.lower())
+    if kind and kind_key not in getattr(cfg, "_cli_keys", set()):
+        sec.dataset = kind
+        cfg._notes = [
+            *config_notes(cfg),
+            f"{kind_key} = '{kind}' inferred from {path_key} = '{path}' (the sample "
+            "dataset reads no path)",
+        ]
+        return
+    why = "" if kind else f" (the path does not say which: {', '.join(_SUFFIX_DATASETS)} do)"
+    as_training = "" if sec.dataset else ", as training.dataset = 'sample'"
+    _add_ignored(
+        problems,
+        [path_key],
+        f"{path_key} = '{path}' set but {kind_key} = '{sec.dataset}'{as_training} (the "
+        f"bundled sample corpus), so the path is ignored: set {kind_key} to one of text, "
+        f"jsonl, parquet, huggingface{why}, or drop {path_key}.",
+    )
+
+
+# A rule of _check_unused: (when, the keys then ignored, the keys that make them so, why, fix).
+_Rule = tuple[bool, str, str, str, str]
+
+
+def _ends_first(cfg: JobConfig) -> str:
+    return f"training.steps = {cfg.training.steps} ends the run first"
+
+
+def _data_rules(cfg: JobConfig) -> list[_Rule]:
+    t, v = cfg.training, cfg.validation
+    kinds = {t.dataset} | ({v.dataset or t.dataset} if v.enable else set())
+    # fmt: off
+    return [
+        (not v.enable, "validation.dataset validation.dataset_path validation.freq "
+         "validation.steps", "validation.enable", "validation.enable = false",
+         "set validation.enable = true"),
+        (v.enable and v.freq > t.steps, "validation.enable validation.freq", "training.steps",
+         f"validation.freq = {v.freq} > {_ends_first(cfg)}", "lower validation.freq"),
+        (not kinds & {"jsonl", "parquet", "huggingface"}, "training.dataset_text_field",
+         "training.dataset validation.dataset validation.enable",
+         f"training.dataset = '{t.dataset}' (no records)", "use jsonl, parquet or huggingface"),
+    ]
+    # fmt: on
+
+
+def _layout_rules(cfg: JobConfig) -> list[_Rule]:
+    p, ac_mode = cfg.parallelism, cfg.activation_checkpoint.mode
+    # fmt: off
+    return [
+        (p.pipeline_parallel_degree == 1, " ".join(_PIPELINE_KEYS),
+         "parallelism.pipeline_parallel_degree", "parallelism.pipeline_parallel_degree = 1",
+         "set pipeline_parallel_degree > 1"),
+        (p.tensor_parallel_degree == 1, "parallelism.disable_loss_parallel",
+         "parallelism.tensor_parallel_degree", "parallelism.tensor_parallel_degree = 1 "
+         "(loss parallelism is TP's)", "set tensor_parallel_degree > 1"),
+        (p.zero_stage < 3, "parallelism.fsdp_reshard_after_forward", "parallelism.zero_stage",
+         f"parallelism.zero_stage = {p.zero_stage} (no FSDP)", "set zero_stage = 3"),
+        (not cfg.compile.enable, "compile.components", "compile.enable",
+         "compile.enable = false", "set compile.enable = true"),
+        (ac_mode != "selective", "activation_checkpoint.selective_ac_option",
+         "activation_checkpoint.mode", f"activation_checkpoint.mode = '{ac_mode}'",
+         "set activation_checkpoint.mode = 'selective'"),
+    ]
+    # fmt: on
+
+
+def _checkpoint_rules(cfg: JobConfig) -> list[_Rule]:
+    ck = cfg.checkpoint
+    seed_folder = "" if ck.create_seed_checkpoint else "checkpoint.folder "  # the seed's folder
+    # fmt: off
+    return [
+        (not ck.enable, f"{seed_folder}checkpoint.interval checkpoint.keep_latest_k "
+         "checkpoint.async_mode checkpoint.model_only checkpoint.export_dtype",
+         "checkpoint.enable", "checkpoint.enable = false (nothing is saved)",
+         "set checkpoint.enable = true"),
+        (ck.enable and not ck.model_only, "checkpoint.export_dtype", "checkpoint.model_only",
+         "checkpoint.model_only = false (no export)", "set checkpoint.model_only = true"),
+        (ck.enable and ck.load_step >= 0, "checkpoint.initial_load_path", "checkpoint.load_step",
+         f"checkpoint.load_step = {ck.load_step} (it resumes from the run's own folder)",
+         "unset load_step to start from the path"),
+        (ck.enable and ck.load_step < 0 and not ck.initial_load_path,
+         "checkpoint.initial_load_model_only", "checkpoint.initial_load_path",
+         "checkpoint.initial_load_path = ''", "set checkpoint.initial_load_path"),
+    ]
+    # fmt: on
+
+
+def _optimizer_rules(cfg: JobConfig) -> list[_Rule]:
+    lr, opt = cfg.lr_scheduler, cfg.optimizer
+    # fmt: off
+    return [
+        (lr.decay_type == "constant", "lr_scheduler.decay_ratio lr_scheduler.min_lr_factor",
+         "lr_scheduler.decay_type", "lr_scheduler.decay_type = 'constant'",
+         "choose linear, sqrt or cosine"),
+        (opt.name == "Adam", "optimizer.weight_decay optimizer.no_decay_patterns",
+         "optimizer.name", "optimizer.name = 'Adam' (no weight decay)", "use 'AdamW'"),
+        (opt.name == "AdamW" and opt.weight_decay == 0, "optimizer.no_decay_patterns",
+         "optimizer.weight_decay", "optimizer.weight_decay = 0", "set a weight decay"),
+    ]
+    # fmt: on
+
+
+def _observability_rules(cfg: JobConfig) -> list[_Rule]:
+    prof, steps, last = cfg.profiling, _ends_first(cfg), cfg.training.steps
+    # fmt: off
+    return [
+        (not cfg.metrics.enable_tensorboard, "metrics.save_tb_folder",
+         "metrics.enable_tensorboard", "metrics.enable_tensorboard = false",
+         "set metrics.enable_tensorboard = true"),
+        (not prof.enable_profiling, "profiling.save_traces_folder profiling.profile_freq "
+         "profiling.profiler_warmup profiling.profiler_active", "profiling.enable_profiling",
+         "profiling.enable_profiling = false", "set profiling.enable_profiling = true"),
+        (prof.enable_profiling and prof.profile_freq > last,
+         "profiling.enable_profiling profiling.profile_freq", "training.steps",
+         f"profiling.profile_freq = {prof.profile_freq} > {steps}", "lower profile_freq"),
+        (not prof.enable_memory_snapshot, "profiling.save_memory_snapshot_folder "
+         "profiling.memory_snapshot_step", "profiling.enable_memory_snapshot",
+         "profiling.enable_memory_snapshot = false",
+         "set profiling.enable_memory_snapshot = true"),
+        (prof.enable_memory_snapshot and prof.memory_snapshot_step > last,
+         "profiling.memory_snapshot_step", "training.steps", steps, "lower it"),
+    ]
+    # fmt: on
+
+
+def _debug_rules(cfg: JobConfig) -> list[_Rule]:
+    debug, steps, last = cfg.debug, _ends_first(cfg), cfg.training.steps
+    # fmt: off
+    return [
+        (not cfg.job.dry_run, "job.simulate_world_size", "job.dry_run", "job.dry_run = false",
+         "add --job.dry_run"),
+        (debug.fail_at_step > last, "debug.fail_at_step", "training.steps", steps, "lower it"),
+        (debug.hang_at_step > last, "debug.hang_at_step", "training.steps", steps, "lower it"),
+        (debug.checkpoint_save_delay_step == 0, "debug.checkpoint_save_delay_s",
+         "debug.checkpoint_save_delay_step", "debug.checkpoint_save_delay_step = 0",
+         "set the step whose save sleeps"),
+        (not cfg.checkpoint.enable, "debug.checkpoint_save_delay_step", "checkpoint.enable",
+         "checkpoint.enable = false", "set checkpoint.enable = true"),
+    ]
+    # fmt: on
+
+
+def _check_loads_without_checkpointing(cfg: JobConfig, problems: Problems) -> None:
+    """Load options given with checkpoint.enable = false (this wording is older than
+    _unused's)."""
+    if cfg.checkpoint.enable:
+        return
+    loads = "initial_load_path initial_load_model_only load_step exclude_from_loading"
+    names = _given(cfg, [f"checkpoint.{k}" for k in loads.split()], ["checkpoint.enable"])
+    if names:
+        _add_ignored(
+            problems,
+            names,
+            f"{', '.join(names)} set but checkpoint.enable = false, so nothing would be "
+            "loaded: set checkpoint.enable = true (or drop the option).",
+        )
+
+
+# In this order: it is the order of the numbered errors the user reads.
+_RULES = (
+    _data_rules,
+    _layout_rules,
+    _checkpoint_rules,
+    _optimizer_rules,
+    _observability_rules,
+    _debug_rules,
+)
+
+
+def _check_unused(cfg: JobConfig, problems: Problems) -> None:
+    """Options set by the user that the rest of the config ignores (see _given)."""
+    _check_dataset_path(cfg, problems, "training")
+    if cfg.validation.enable:
+        _check_dataset_path(cfg, problems, "validation")
+    for rules in _RULES:
+        for when, keys, because, reason, fix in rules(cfg):
+            if when:
+                _unused(problems, cfg, keys.split(), because.split(), reason, fix)
+    _check_loads_without_checkpointing(cfg, problems)
+
+
+def check_layout_options(cfg: JobConfig, dp: int, problems: Problems) -> None:
+    """Options that the data-parallel layout, known once the world size is, ignores. (With
+    replicas only, data_parallel_shard_degree = 1, zero_stage 3 is still FSDP2: HSDP.)"""
+    degrees = (
+        "data_parallel_shard",
+        "data_parallel_replicate",
+        "context_parallel",
+        "tensor_parallel",
+        "pipeline_parallel",
+    )
+    layout = ["parallelism.zero_stage"] + [f"parallelism.{k}_degree" for k in degrees]
+    fsdp = ["parallelism.fsdp_reshard_after_forward"] if cfg.parallelism.zero_stage == 3 else []
+    if dp == 1:
+        _unused(
+            problems,
+            cfg,
+            ["parallelism.zero_stage", "training.mixed_precision_reduce", *fsdp],
+            layout,
+            "the data-parallel degree is 1 (no gradient reduction, nothing to shard)",
+            "use more ranks or a data_parallel_shard_degree > 1 (or drop them)",
+        )
+
+
+def _check_batch_and_data(cfg: JobConfig, problems: Problems) -> None:
+    """The batch sizes, the training data and the validation data."""
+    t = cfg.training
+    if t.global_batch_size == 0:
+        problems.add(
+            "training.global_batch_size = 0: use -1 (local_batch_size x DP degree) or a "
+            "positive multiple of local_batch_size x DP degree."
+        )
+    if t.global_batch_size != -1 and t.global_batch_size % t.local_batch_size:
+        problems.add(
+            f"training.global_batch_size = {t.global_batch_size} must be a multiple of "
+            f"training.local_batch_size = {t.local_batch_size} (or -1)."
+        )
+    if t.dataset != "sample" and not t.dataset_path:
+        problems.add(
+            f"training.dataset = '{t.dataset}' needs training.dataset_path (a file, glob or "
+            "folder, or the Hugging Face dataset name); or use dataset = 'sample'."
+        )
+    v = cfg.validation
+    if v.enable and (v.dataset or t.dataset) in ("text", "jsonl", "parquet") and not v.dataset_path:
+        problems.add(
+            f"validation.enable with {v.dataset or t.dataset} files needs "
+            "validation.dataset_path: local files have no held-out split, so validating on "
+            "training.dataset_path would measure the training data. Point it at held-out "
+            "files, or set validation.enable = false."
+        )
+
+
+def validate(cfg: JobConfig) -> None:
+    """Cross-field checks that need no process group (world-size checks live in parallel_dims).
+
+    Every independent problem is collected and reported in one ConfigError."""
+    problems = Problems()
+    _check_unused(cfg, problems)
+    _check_batch_and_data(cfg, problems)
+    if cfg.parallelism.pipeline_parallel_layers_per_stage == 0:
+        problems.add(
+            "parallelism.pipeline_parallel_layers_per_stage = 0: use -1 (split the layers "
+            "evenly) or a positive number of layers per stage."
+        )
+    ac = cfg.activation_checkpoint
+    if ac.mode == "selective" and ac.selective_ac_option != "op":
+        if not ac.selective_ac_option.isdigit() or int(ac.selective_ac_option) < 1:
+            problems.add(
+                f"activation_checkpoint.selective_ac_option = '{ac.selective_ac_option}' is "
+                "invalid: expected 'op' or a positive integer N (checkpoint every N-th block)."
+            )
+    for comp in cfg.compile.components:
+        if comp not in ("model", "loss"):
+            problems.add(
+                f"compile.components contains '{comp}': allowed entries are 'model' and 'loss'."
+            )
+    for key in ("moe_aux_loss_coeff", "moe_bias_update_rate", "moe_z_loss_coeff"):
+        value = getattr(cfg.model, key)
+        if -1 < value < 0:
+            problems.add(
+                f"model.{key} = {value}: use -1 (the flavor's value), 0 (off) or a positive weight."
+            )
+    cp = cfg.parallelism.context_parallel_degree
+    if cp > 1 and cfg.training.seq_len % (2 * cp):
+        problems.add(
+            f"training.seq_len = {cfg.training.seq_len} must be a multiple of 2 x "
+            f"parallelism.context_parallel_degree = {2 * cp}: each CP rank holds two of 2 x "
+            "context_parallel_degree equal chunks of every sequence."
+        )
+    prof = cfg.profiling
+    if prof.enable_profiling and prof.profiler_warmup + prof.profiler_active > prof.profile_freq:
+        problems.add(
+            f"profiling.profiler_warmup ({prof.profiler_warmup}) + profiler_active "
+            f"({prof.profiler_active}) must not exceed profiling.profile_freq "
+            f"({prof.profile_freq}): each window ends at a multiple of profile_freq."
+        )
+    problems.raise_any()
