@@ -151,8 +151,8 @@ MUTANTS = [
         "loss_replicas_ignore_pipeline",
         "logged loss averaged over every rank although only last-stage ranks hold one",
         "training/trainer.py",
-        "loss_replicas = parallel_dims.world_size // parallel_dims.pp",
-        "loss_replicas = parallel_dims.world_size",
+        "loss_replicas=parallel_dims.world_size // parallel_dims.pp,",
+        "loss_replicas=parallel_dims.world_size,",
         (f"{PP_PARITY}[pp2_1f1b]",),
     ),
     Mutant(

@@ -48,7 +48,7 @@ def mutated(mutant: Mutant, tree: Path) -> str:
     if found != 1:
         raise ValueError(
             f"mutant {mutant.name}: its text occurs {found} times in {mutant.path} (must be "
-            "once): update the catalogue in scripts/mutation_check.py to follow the code"
+            "once): update the catalogue in scripts/mutants.py to follow the code"
         )
     return text.replace(mutant.old, mutant.new)
 
