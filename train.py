@@ -91,8 +91,10 @@ def check_config(cfg: JobConfig, world_size: int) -> ParallelDims:
         # CP ranks hold other tokens: their gradients are reduced and their weights sharded
         check_layout_options(cfg, dims.dp * dims.cp, problems)
     if args is not None:
+        from parallelisms.decoder import decoder_problems
+
         spec = get_model_spec(cfg.model.name)
-        for problem in spec.validate(cfg, args) if spec.validate else []:
+        for problem in decoder_problems(spec, cfg, args):
             problems.add(ParallelismError(problem))
         if p.expert_parallel_degree > 1 and spec.routing is None:
             problems.add(

@@ -115,9 +115,9 @@ def hf_adapter(spec):
 
 
 def _families():
-    from models import MODELS
+    from models import all_model_specs
 
-    return MODELS
+    return all_model_specs()
 
 
 def write_dcp_model(sd: dict[str, torch.Tensor], out_folder: Path, layout: dict) -> Path:

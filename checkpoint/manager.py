@@ -46,6 +46,7 @@ from checkpoint.storage import (
     step_dir,
     tmp_path,
 )
+from models import get_model_spec
 
 logger = logging.getLogger("meshtrain")
 
@@ -246,7 +247,10 @@ class CheckpointManager:
             components = [c for c in components if c != "rng"]  # per-rank: same world only
         sd = self._state(components)
         if "model" in components:
-            check_model_args(path, layout, getattr(self.model_parts[0], "args", None))
+            function_args = get_model_spec(self.cfg.model.name).function_args
+            check_model_args(
+                path, layout, getattr(self.model_parts[0], "args", None), function_args
+            )
         check_fits(path, sd, metadata, self.pg)
         with single_process():
             dcp.load(

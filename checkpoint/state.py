@@ -208,26 +208,24 @@ def _of_param(key: str, fqns: set[str]) -> bool:
 # Dtype names of exports and conversions (checkpoint.export_dtype, the convert scripts' --dtype)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# Model arguments that change what the weights compute without changing any tensor's shape
-# (shape differences are check_fits' job); a changed max_seq_len is a legitimate choice.
-FUNCTION_ARGS = ("rope_theta", "use_scaled_rope", "norm_eps")
 
-
-def check_model_args(path, layout: dict, args) -> None:
+def check_model_args(path, layout: dict, args, function_args: tuple[str, ...]) -> None:
     """Raises when the checkpoint's recorded model arguments (layout.json) differ from the
-    run's in FUNCTION_ARGS, e.g. Llama 3.1 weights loaded without their RoPE scaling."""
+    run's in `function_args` (the family's `ModelSpec.function_args`: arguments that change
+    what the weights compute without changing any tensor's shape, which is check_fits' job),
+    e.g. Llama 3.1 weights loaded without their RoPE scaling."""
     saved = (layout.get("model") or {}).get("args") or {}
     diffs = [
         f"{k}: checkpoint {saved[k]!r} vs model {getattr(args, k)!r}"
-        for k in FUNCTION_ARGS
+        for k in function_args
         if k in saved and hasattr(args, k) and saved[k] != getattr(args, k)
     ]
     if diffs:
         raise CheckpointError(
             f"{path} was saved by a model that computes differently from this run's ("
             + "; ".join(diffs)
-            + "). Configure the run like the checkpoint (model.flavor; model.rope_scaling = "
-            "'llama3' or 'none' for use_scaled_rope)."
+            + "). Configure the run like the checkpoint: its model.flavor, and the [model] "
+            "options that set these arguments (model.rope_scaling sets use_scaled_rope)."
         )
 
 

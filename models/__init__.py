@@ -1,25 +1,8 @@
-"""Model registry: a model name maps to its family's `ModelSpec`, everything the framework
-knows about an architecture.
-
-The contract a family folder `models/<name>/` fulfils (Llama 3 and Qwen3 are the examples):
-- `model_cls(args)` builds the model on any device (meta included) and knows no parallelism:
-  blocks in `model.layers` (a ModuleDict keyed by layer index), optional `tok_embeddings`,
-  `norm`, `output` (None on pipeline stages that lack them), `init_param(name, tensor,
-  generator)` (the full value of one parameter), `init_buffers(device)`, and `tie_weights()`
-  when some parameters are shared (called again after materialisation, which unties them);
-- `args` dataclass fields the framework reads: `n_layers`, `n_heads`, `head_dim`, `dim`,
-  `vocab_size`, `max_seq_len`; the `[model]` shape overrides replace fields of that name; a
-  mixture-of-experts family (one with `routing` hooks) also `n_experts` and `top_k`, which
-  the estimator reads (EP degrees, all-to-all volume; it finds the expert parameters
-  themselves as the ones its parallelize function puts on the "ep" mesh);
-- `parallelize_fn(model, parallel_dims, job_config, device_type)`: TP plan, AC, compile and
-  FSDP units applied with the generic `parallelisms` functions (plans are data in the family);
-- `pipeline_fn` (optional): how the model is cut into stages;
-- `validate(cfg, args) -> list[str]` (optional): what this family cannot run, checked with the
-  config before any process group starts.
-
-Families outside this tree register themselves with `register(ModelSpec(...))` in a module
-that `job.custom_import` names.
+"""The model registry: a model name maps to its family's `ModelSpec` (`models/contract.py`
+says what a family gives the framework). Each family package under `models/` registers itself
+when imported; `get_model_spec` imports a built-in family the first time its name is asked
+for, so importing `models` (or a parallelism that uses the contract) registers none of them.
+Families outside this tree register themselves in the module `job.custom_import` names.
 """
 
 from __future__ import annotations
@@ -27,135 +10,36 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import pkgutil
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from models import qwen3, qwen3_moe
-from models.llama3 import Transformer, llama3_flavors
-from models.llama3 import hf as llama3_hf
-from models.qwen3 import hf as qwen3_hf
-from models.qwen3_moe import hf as qwen3_moe_hf
+from models.contract import ARGS_FIELDS, MODELS, HFAdapter, ModelSpec, RoutingHooks, register
 
-# The args fields the framework reads (the FLOPs formula, the TP and pipeline checks, the
-# loader, the estimator); a family's args dataclass may have any others.
-ARGS_FIELDS = {
-    "dim": int,
-    "n_layers": int,
-    "n_heads": int,
-    "head_dim": int,
-    "vocab_size": int,
-    "max_seq_len": int,
-}
+__all__ = [
+    "ARGS_FIELDS",
+    "HFAdapter",
+    "ModelSpec",
+    "RoutingHooks",
+    "all_model_specs",
+    "build_model_args",
+    "get_model_spec",
+    "import_families",
+    "model_args_for",
+    "register",
+]
 
 
-@dataclass(frozen=True)
-class HFAdapter:
-    """How a family's weights and config.json map to Hugging Face's (optional), used by
-    scripts/convert_from_hf.py and convert_to_hf.py."""
-
-    model_type: str  # the config.json "model_type" it reads
-    args_from_config: Callable[[dict], Any]  # config.json -> args
-    config_from_args: Callable[[Any, Any], dict]  # (args, dtype) -> config.json
-    to_hf: Callable[[dict, Any], dict]  # (our full state dict, args) -> HF tensors
-    from_hf: Callable[[dict, Any], dict]  # (HF tensors, args) -> our state dict
+def builtin_families() -> list[str]:
+    """The family packages in this folder (every subpackage of `models`)."""
+    return sorted(m.name for m in pkgutil.iter_modules(__path__) if m.ispkg)
 
 
-@dataclass(frozen=True)
-class RoutingHooks:
-    """For a family whose layers keep training-time routing state (mixture of experts); the
-    trainer calls them with this rank's model parts."""
-
-    # (model_parts, scale): the factor the trainer divides token-loss sums by (1 / tokens per
-    # rank and optimizer step), for losses the layers add themselves (load balancing)
-    set_loss_scale: Callable[[list, float], None]
-    after_optimizer_step: Callable[[list], None]  # on the device, no host sync
-    # per layer key, the last step's statistics (a host sync: log steps only)
-    layer_stats: Callable[[list], dict[str, dict[str, float]]]
-    # (every stage's layer stats, warn after this many idle steps) -> (record, warnings)
-    summarize: Callable[[dict, int], tuple[dict[str, float], list[str]]]
-    # (meta model) -> parameters one token uses, without the embeddings: the FLOPs convention
-    active_params: Callable[[Any], int]
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    name: str
-    model_cls: type
-    flavors: dict[str, Any]
-    parallelize_fn: Callable  # (model, parallel_dims, job_config, device_type) -> model
-    pipeline_fn: Callable | None  # (model, parallel_dims, job_config, device, loss_fn) -> stages
-    validate: Callable[[Any, Any], list[str]] | None = None  # (job_config, args) -> problems
-    # (args, seq_len, batch, tp) -> bytes one block saves for backward, for the estimator
-    block_activation_bytes: Callable[[Any, int, int, int], float] | None = None
-    hf: HFAdapter | None = None  # Hugging Face conversion
-    routing: RoutingHooks | None = None  # mixture-of-experts families
-
-
-def _llama3_parallelize(*args, **kwargs):
-    from models.llama3.parallelize import parallelize_llama  # imports torch.distributed lazily
-
-    return parallelize_llama(*args, **kwargs)
-
-
-def _llama3_pipeline(*args, **kwargs):
-    from models.llama3.pipeline import pipeline_llama
-
-    return pipeline_llama(*args, **kwargs)
-
-
-def _llama3_validate(cfg, args) -> list[str]:
-    from models.llama3.parallelize import validate_llama
-
-    return validate_llama(cfg, args)
-
-
-def _llama3_block_bytes(*args) -> float:
-    from models.llama3.parallelize import llama_block_activation_bytes
-
-    return llama_block_activation_bytes(*args)
-
-
-MODELS: dict[str, ModelSpec] = {}
-
-
-def register(spec: ModelSpec) -> ModelSpec:
-    """Adds a family to the registry (a repeated name is an error: one family per name); its
-    flavors must be dataclasses with the `ARGS_FIELDS` the framework reads."""
-    if spec.name in MODELS and MODELS[spec.name] is not spec:
-        raise ValueError(f"model family '{spec.name}' is registered twice")
-    for flavor, args in spec.flavors.items():
-        bad = [f"{k} ({t.__name__})" for k, t in ARGS_FIELDS.items()
-               if not isinstance(getattr(args, k, None), t)]  # fmt: skip
-        if not dataclasses.is_dataclass(args) or bad:
-            raise ValueError(
-                f"model family '{spec.name}', flavor '{flavor}': the args must be a dataclass "
-                f"with {', '.join(bad) or 'the framework fields'} (models.ARGS_FIELDS)"
-            )
-    MODELS[spec.name] = spec
-    return spec
-
-
-register(
-    ModelSpec(
-        "llama3",
-        Transformer,
-        llama3_flavors,
-        _llama3_parallelize,
-        _llama3_pipeline,
-        _llama3_validate,
-        _llama3_block_bytes,
-        HFAdapter(
-            "llama",
-            llama3_hf.args_from_hf_config,
-            llama3_hf.hf_config_from_args,
-            llama3_hf.meta_to_hf,
-            llama3_hf.hf_to_meta,
-        ),
-    )
-)
+def all_model_specs() -> dict[str, ModelSpec]:
+    """Every registered family, the built-in ones imported first."""
+    for name in builtin_families():
+        importlib.import_module(f"models.{name}")
+    return MODELS
 
 
 def import_families(target: str) -> None:
@@ -179,9 +63,12 @@ def import_families(target: str) -> None:
 
 
 def get_model_spec(name: str) -> ModelSpec:
+    if name not in MODELS and name in builtin_families():
+        importlib.import_module(f"models.{name}")  # the package registers itself
     if name not in MODELS:
+        known = ", ".join(all_model_specs())
         raise ValueError(
-            f"model.name = '{name}' is not registered. Known models: {', '.join(MODELS)} "
+            f"model.name = '{name}' is not registered. Known models: {known} "
             "(a family outside this tree registers itself in the module job.custom_import "
             "names)."
         )
@@ -237,56 +124,3 @@ def model_args_for(model_cfg, seq_len: int, vocab_size: int | None = None):
     return build_model_args(
         model_cfg.name, model_cfg.flavor, seq_len, vocab_size, arg_overrides(model_cfg)
     )
-
-
-register(
-    ModelSpec(
-        "qwen3",
-        qwen3.Qwen3,
-        qwen3.flavors,
-        qwen3.parallelize,
-        qwen3.pipeline,
-        qwen3.validate,
-        qwen3.block_activation_bytes,
-        HFAdapter(
-            "qwen3",
-            qwen3_hf.args_from_hf_config,
-            qwen3_hf.config_with_dtype,
-            qwen3_hf.to_hf,
-            qwen3_hf.from_hf,
-        ),  # fmt: skip
-    )
-)
-
-
-def _qwen3_moe_routing() -> RoutingHooks:
-    from models.qwen3_moe import routing
-
-    return RoutingHooks(
-        routing.set_loss_scale,
-        routing.after_optimizer_step,
-        routing.layer_stats,
-        routing.summarize,
-        routing.active_params,
-    )
-
-
-register(
-    ModelSpec(
-        "qwen3_moe",
-        qwen3_moe.Qwen3MoE,
-        qwen3_moe.flavors,
-        qwen3_moe.parallelize,
-        qwen3_moe.pipeline,
-        qwen3_moe.validate,
-        qwen3_moe.block_activation_bytes,
-        HFAdapter(
-            "qwen3_moe",
-            qwen3_moe_hf.args_from_hf_config,
-            qwen3_moe_hf.config_with_dtype,
-            qwen3_moe_hf.to_hf,
-            qwen3_moe_hf.from_hf,
-        ),  # fmt: skip
-        routing=_qwen3_moe_routing(),
-    )
-)

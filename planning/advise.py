@@ -141,7 +141,7 @@ def _tp_degrees(model_args, gpus_per_node: int) -> list[int]:
         if t <= gpus_per_node
         and gpus_per_node % t == 0
         and model_args.n_heads % t == 0
-        and model_args.kv_heads % t == 0
+        and model_args.n_kv_heads % t == 0
     ]
 
 

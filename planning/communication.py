@@ -242,12 +242,12 @@ def _cp_comm(
     """CP's K/V all-gathers and gradient reduce-scatters over the cp ranks (tp apart), on the
     critical path: attention waits for the gathered keys. TP splits the K/V heads."""
     layers = math.ceil(model_args.n_layers / layout.pp)
-    kv_dim = model_args.kv_heads * model_args.head_dim / layout.tp
+    kv_dim = model_args.n_kv_heads * model_args.head_dim / layout.tp
     full = layout.ac == "full"
     per_micro = kv_all_gather_bytes(seq_len, b, kv_dim, layout.cp, layers, pb, full)
     kv = 2 * b * seq_len * kv_dim * pb
     what = (
-        f"CP: all-gather of K and V ({kv / 2**20:.0f} MiB gathered, {model_args.kv_heads} "
+        f"CP: all-gather of K and V ({kv / 2**20:.0f} MiB gathered, {model_args.n_kv_heads} "
         "kv heads) per layer and micro-batch, their gradients reduce-scattered in backward"
         + (", again in the full-AC recompute" if full else "")
     )

@@ -88,7 +88,7 @@ def attention_bytes(
     model_args, s: int, b: int, tp: int, cp: int, elem: int = 2, document_mask: bool = False
 ) -> AttentionBytes:
     """`AttentionBytes` of `s`-token sequences (`b` per micro-batch) split over `cp`
-    ranks, TP degree `tp`, `elem`-byte activations; reads n_heads, kv_heads and head_dim.
+    ranks, TP degree `tp`, `elem`-byte activations; reads n_heads, n_kv_heads and head_dim.
     The mask exists with document masking only: plain CP attends chunk by chunk with torch's
     lower-right causal bias, which CUDA's fused kernels apply without a mask (on CPU, SDPA
     builds one per chunk; not counted). Without CP only a document mask adds anything."""
@@ -97,7 +97,7 @@ def attention_bytes(
     if cp <= 1:
         return AttentionBytes(mask=mask * elem, mask_input=mask)
     q_dim = model_args.n_heads * model_args.head_dim / tp
-    kv_dim = model_args.kv_heads * model_args.head_dim / tp
+    kv_dim = model_args.n_kv_heads * model_args.head_dim / tp
     return AttentionBytes(
         kv=2.0 * b * (s - local) * q_dim * elem,
         mask=mask * elem,

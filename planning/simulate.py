@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from parallelisms.decoder import parallelize_decoder, pipeline_decoder
 from parallelisms.mixed_precision import in_weight_dtype, mixed_precision_dtypes
 from parallelisms.parallel_dims import ParallelDims
 from planning.communication import Experts
@@ -157,7 +158,7 @@ def state_bytes(part: nn.Module) -> tuple[int, int, int, int]:
     return n_local, param_b, grad_b, optim_b
 
 
-def fsdp_working_bytes(part: nn.Module, param_bytes: int, reduce_bytes: int) -> int:
+def fsdp_working_bytes(part: nn.Module, spec, param_bytes: int, reduce_bytes: int) -> int:
     """FSDP2's transient memory at its largest moment, with `apply_fsdp`'s units. The final
     norm + output unit stays gathered from its forward into its backward, beside the last
     block (also kept) and its own unsharded gradients; in the middle of backward two blocks
@@ -171,9 +172,8 @@ def fsdp_working_bytes(part: nn.Module, param_bytes: int, reduce_bytes: int) -> 
 
     blocks = [gathered_elements(b) for b in part.layers.values()]
     big = max(blocks, default=0)
-    emb = gathered_elements(getattr(part, "tok_embeddings", None))
-    head = gathered_elements(getattr(part, "norm", None))
-    head += gathered_elements(getattr(part, "output", None))
+    emb = sum(gathered_elements(getattr(part, name, None)) for name in spec.embeddings)
+    head = sum(gathered_elements(getattr(part, name, None)) for name in spec.head)
     with_grads = 2 * param_bytes + reduce_bytes  # gathered weights + unsharded gradients
     return max(
         head * with_grads + big * param_bytes,
@@ -189,10 +189,11 @@ def _measure(
     dims: ParallelDims,
     rank: int,
     dtypes: tuple[torch.dtype, torch.dtype],
-    block_bytes,
+    spec,
     scores_stored: bool,
 ) -> RankMemory:
     """One simulated rank's `RankMemory`, from its parallelized model parts."""
+    block_bytes = spec.block_activation_bytes
     pp_rank = rank // (dims.world_size // dims.pp)
     param_bytes, reduce_bytes = (dtype.itemsize for dtype in dtypes)
     n_local = params = grads = optim = working = layers = 0
@@ -200,9 +201,9 @@ def _measure(
     for part in parts:
         n, pb, gb, ob = state_bytes(part)
         n_local, params, grads, optim = n_local + n, params + pb, grads + gb, optim + ob
-        working += fsdp_working_bytes(part, param_bytes, reduce_bytes)
+        working += fsdp_working_bytes(part, spec, param_bytes, reduce_bytes)
         layers += len(part.layers)
-        has_output = has_output or getattr(part, "output", None) is not None
+        has_output = has_output or getattr(part, spec.head[-1], None) is not None
     if block_bytes is None:
         act, note = 0, "activations not counted: the model family gives no block_activation_bytes"
     else:
@@ -260,11 +261,11 @@ def _parallelized_parts(spec, model_args, cfg, dims: ParallelDims) -> list[nn.Mo
     with torch.device("meta"):
         model = in_weight_dtype(spec.model_cls(model_args), cfg.training)
     if dims.pp_enabled:
-        parts, _, _, _ = spec.pipeline_fn(
-            model, dims, cfg, torch.device("meta"), lambda out, target: out.sum()
+        parts, _, _, _ = pipeline_decoder(
+            model, spec, dims, cfg, torch.device("meta"), lambda out, target: out.sum()
         )
         return parts
-    return [spec.parallelize_fn(model, dims, cfg, "cpu")]
+    return [parallelize_decoder(model, spec, dims, cfg, "cpu")]
 
 
 def simulate(
@@ -282,7 +283,7 @@ def simulate(
 
     Each simulated rank joins a fresh `fake` process group (FakeStore) as that rank, builds
     the mesh, builds `spec.model_cls(model_args)` on the meta device and applies
-    `spec.parallelize_fn` (or `spec.pipeline_fn` when pipeline_parallel_degree > 1), exactly
+    `parallelize_decoder` (or `pipeline_decoder` when pipeline_parallel_degree > 1), exactly
     what the trainer does. Default ranks: the first rank of the first, second and last
     pipeline stage (`all_stages`: of every stage); the other ranks of a stage hold the same
     sizes up to shard rounding, and middle stages lie between the first two in activations.
@@ -295,14 +296,11 @@ def simulate(
     dims = ParallelDims.from_parallelism(cfg.parallelism, world_size)
     with torch.device("meta"):
         n_total = sum(x.numel() for x in spec.model_cls(model_args).parameters())
-    block_bytes = spec.block_activation_bytes
     out = []
     for rank in _default_ranks(dims, all_stages) if ranks is None else ranks:
         with _fake_rank(dims, rank):
             parts = _parallelized_parts(spec, model_args, cfg, dims)
-            out.append(
-                _measure(parts, cfg, model_args, dims, rank, dtypes, block_bytes, scores_stored)
-            )
+            out.append(_measure(parts, cfg, model_args, dims, rank, dtypes, spec, scores_stored))
     return Plan(dims, n_total, *dtypes, out, _activation_formula(scores_stored))
 
 

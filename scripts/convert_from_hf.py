@@ -27,7 +27,7 @@ def family_for(config: dict, name: str):
     """The registered family that converts this config.json: `name`, or the one whose
     Hugging Face adapter reads its model_type."""
     from checkpoint.hf import hf_adapter
-    from models import MODELS, get_model_spec
+    from models import all_model_specs, get_model_spec
 
     if name:
         try:
@@ -37,10 +37,10 @@ def family_for(config: dict, name: str):
         hf_adapter(spec)
         return spec
     kind = config.get("model_type")
-    for spec in MODELS.values():
+    for spec in all_model_specs().values():
         if spec.hf is not None and spec.hf.model_type == kind:
             return spec
-    known = ", ".join(f"{s.hf.model_type} ({n})" for n, s in MODELS.items() if s.hf)
+    known = ", ".join(f"{s.hf.model_type} ({n})" for n, s in all_model_specs().items() if s.hf)
     raise CheckpointError(
         f"config.json model_type = {kind!r}: no registered family reads it ({known})"
     )

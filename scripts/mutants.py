@@ -51,7 +51,7 @@ MUTANTS = [
     Mutant(
         "tp_not_applied",
         "tensor parallelism silently not applied (TP mesh built, plan skipped)",
-        "models/llama3/parallelize.py",
+        "parallelisms/decoder.py",
         "    if parallel_dims.tp_enabled:\n",
         "    if False:\n",
         (f"{PARITY}[tp2]",),
@@ -59,7 +59,7 @@ MUTANTS = [
     Mutant(
         "ac_not_applied",
         "activation checkpointing silently not applied",
-        "models/llama3/parallelize.py",
+        "parallelisms/decoder.py",
         '    if ac.mode != "none":\n',
         "    if False:\n",
         (f"{PARITY}[ddp4_ac_full]",),
@@ -67,7 +67,7 @@ MUTANTS = [
     Mutant(
         "compile_not_applied",
         "torch.compile silently not applied to the blocks",
-        "models/llama3/parallelize.py",
+        "parallelisms/decoder.py",
         '    if comp.enable and "model" in comp.components:\n',
         "    if False:\n",
         (f"{PARITY}[tp2_compile_ac_op]",),
@@ -200,9 +200,9 @@ MUTANTS = [
     Mutant(
         "moe_aux_loss_per_rank",
         "MoE: the load-balancing statistics are this rank's, not the global micro-batch's",
-        "models/qwen3_moe/parallelize.py",
-        "            moe.reduce_stats = reduce\n",
-        "            moe.reduce_stats = None\n",
+        "parallelisms/decoder.py",
+        'routing.set_stats_reduce([model], _sum_over(parallel_dims.dim("dp_cp").get_group()))',
+        "routing.set_stats_reduce([model], None)",
         (f"{MOE_PARITY}[ep2]",),
     ),
     Mutant(
@@ -218,7 +218,7 @@ MUTANTS = [
         "ep_expert_grads_not_divided_by_dp",
         "EP: the experts' gradients are averaged over the FSDP ranks outside EP only (their sum "
         "over the EP group's tokens is not divided by the whole DP degree)",
-        "models/qwen3_moe/parallelize.py",
+        "parallelisms/decoder.py",
         "gradient_divide_factor=divide)",
         "gradient_divide_factor=None)",
         (f"{MOE_PARITY}[ep2_fsdp2_bias]",),

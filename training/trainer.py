@@ -22,6 +22,7 @@ from metrics.memory import process_rss_gib
 from models import get_model_spec, model_args_for
 from parallelisms.compile import key_compile_caches_to_rank, maybe_compile_loss
 from parallelisms.context_parallel import SequenceSplit, apply_context_parallel
+from parallelisms.decoder import parallelize_decoder, pipeline_decoder
 from parallelisms.init_weights import materialize
 from parallelisms.layout_record import built_layout, summarize, write_layout
 from parallelisms.mixed_precision import in_weight_dtype, mixed_precision_dtypes, weight_dtype
@@ -76,11 +77,11 @@ def build_model_parts(cfg, parallel_dims, model_args, device, loss_fn, model=Non
         # AC recomputes and compile traces then contain the gathers.
         apply_context_parallel(model, parallel_dims.dim("cp"))
     if parallel_dims.pp_enabled:
-        model_parts, schedule, first, last = spec.pipeline_fn(
-            model, parallel_dims, cfg, device, loss_fn
+        model_parts, schedule, first, last = pipeline_decoder(
+            model, spec, parallel_dims, cfg, device, loss_fn
         )
     else:
-        model_parts = [spec.parallelize_fn(model, parallel_dims, cfg, device.type)]
+        model_parts = [parallelize_decoder(model, spec, parallel_dims, cfg, device.type)]
         schedule, first, last = None, True, True
     init_device = "cpu" if cfg.training.enable_cpu_offload else device
     for part in model_parts:

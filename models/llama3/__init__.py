@@ -1,12 +1,16 @@
-"""Llama 3 family: model, published flavors, and how to parallelize / pipeline it."""
+"""Llama 3 family: model, published flavors, and its registry entry (the TP plan and the
+activation count in plan.py, Hugging Face names in hf.py)."""
 
+from models.contract import HFAdapter, ModelSpec, register
+from models.llama3 import hf
 from models.llama3.model import ModelArgs, Transformer
+from models.llama3.plan import llama_block_activation_bytes, llama_tp_plan
 
 # Published Llama 3.1 shapes and RoPE (8B, 70B and 405B all use Llama 3.1's frequency scaling;
 # Llama 3.0 weights need model.rope_scaling = "none") and Llama 3.2's 1B and 3B (tied
 # embeddings, RoPE scaling factor 32). `vocab_size` is replaced by the tokenizer's when one
 # is loaded.
-llama3_flavors = {
+flavors = {
     "debugmodel": ModelArgs(
         dim=256,
         n_layers=6,
@@ -72,4 +76,18 @@ llama3_flavors = {
     ),
 }
 
-__all__ = ["ModelArgs", "Transformer", "llama3_flavors"]
+SPEC = register(
+    ModelSpec(
+        "llama3",
+        Transformer,
+        flavors,
+        tp_plan=llama_tp_plan,
+        block_activation_bytes=llama_block_activation_bytes,
+        hf=HFAdapter(
+            "llama", hf.args_from_hf_config, hf.hf_config_from_args, hf.meta_to_hf, hf.hf_to_meta
+        ),
+        function_args=("rope_theta", "use_scaled_rope", "norm_eps"),
+    )
+)
+
+__all__ = ["SPEC", "ModelArgs", "Transformer", "flavors"]

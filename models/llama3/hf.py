@@ -91,7 +91,7 @@ def _heads_for(name: str, args: ModelArgs) -> int | None:
     if name.endswith("attention.wq.weight"):
         return args.n_heads
     if name.endswith("attention.wk.weight"):
-        return args.kv_heads
+        return args.n_kv_heads
     return None
 
 
@@ -181,7 +181,7 @@ def hf_config_from_args(args: ModelArgs, dtype: torch.dtype) -> dict:
         "intermediate_size": args.ffn_hidden_dim,
         "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads,
+        "num_key_value_heads": args.n_kv_heads,
         "head_dim": args.head_dim,
         "vocab_size": args.vocab_size,
         "hidden_act": "silu",

@@ -25,7 +25,7 @@ class ModelArgs:
     dim: int = 4096
     n_layers: int = 32
     n_heads: int = 32
-    n_kv_heads: int | None = None
+    n_kv_heads: int | None = None  # None: one key/value head per query head (no grouping)
     vocab_size: int = 128256
     multiple_of: int = 256
     ffn_dim_multiplier: float | None = None
@@ -39,6 +39,8 @@ class ModelArgs:
 
     def __post_init__(self) -> None:
         """Shapes the layers cannot be built with fail here, not inside attention."""
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
         problems = []
         if self.dim % self.n_heads:
             problems.append(f"dim = {self.dim} is not a multiple of n_heads = {self.n_heads}")
@@ -46,9 +48,9 @@ class ModelArgs:
             problems.append(
                 f"head_dim = dim / n_heads = {self.head_dim} is odd (RoPE rotates pairs)"
             )
-        if self.n_heads % self.kv_heads:
+        if self.n_heads % self.n_kv_heads:
             problems.append(
-                f"n_heads = {self.n_heads} is not a multiple of n_kv_heads = {self.kv_heads} "
+                f"n_heads = {self.n_heads} is not a multiple of n_kv_heads = {self.n_kv_heads} "
                 "(each key/value head serves n_heads / n_kv_heads query heads)"
             )
         if problems:
@@ -57,10 +59,6 @@ class ModelArgs:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
 
     @property
     def ffn_hidden_dim(self) -> int:
@@ -120,8 +118,8 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = args.head_dim
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         self.core = ScaledDotProductAttention()  # causal / masked SDPA over the heads
 

@@ -1,11 +1,15 @@
-"""Qwen3 dense family: model, published flavors, registry entry.
+"""Qwen3 dense family: model, published flavors, registry entry (TP plan and activation count
+in plan.py, Hugging Face names in hf.py).
 
 Published shapes from the Qwen3 model cards' configs (vocabulary 151,936, RMSNorm eps 1e-6,
 RoPE theta 1e6, head_dim 128; the 0.6B, 1.7B and 4B models tie the output projection to the
 embeddings). `vocab_size` is replaced by the tokenizer's when one is loaded.
 """
 
+from models.contract import HFAdapter, ModelSpec, register
+from models.qwen3 import hf
 from models.qwen3.model import Qwen3, Qwen3Args
+from models.qwen3.plan import qwen3_block_activation_bytes, qwen3_tp_plan
 
 flavors = {
     # tied, and head_dim (32) != dim / n_heads (64): the tests exercise both
@@ -37,36 +41,16 @@ flavors = {
 }
 
 
-def parallelize(*args, **kwargs):
-    from models.qwen3.parallelize import parallelize_qwen3  # imports torch.distributed lazily
+SPEC = register(
+    ModelSpec(
+        "qwen3",
+        Qwen3,
+        flavors,
+        tp_plan=qwen3_tp_plan,
+        block_activation_bytes=qwen3_block_activation_bytes,
+        hf=HFAdapter("qwen3", hf.args_from_hf_config, hf.config_with_dtype, hf.to_hf, hf.from_hf),
+        function_args=("rope_theta", "norm_eps"),
+    )
+)
 
-    return parallelize_qwen3(*args, **kwargs)
-
-
-def pipeline(*args, **kwargs):
-    from models.qwen3.parallelize import pipeline_qwen3
-
-    return pipeline_qwen3(*args, **kwargs)
-
-
-def validate(cfg, args) -> list[str]:
-    from models.qwen3.parallelize import validate_qwen3
-
-    return validate_qwen3(cfg, args)
-
-
-def block_activation_bytes(*args) -> float:
-    from models.qwen3.parallelize import qwen3_block_activation_bytes
-
-    return qwen3_block_activation_bytes(*args)
-
-
-__all__ = [
-    "Qwen3",
-    "Qwen3Args",
-    "block_activation_bytes",
-    "flavors",
-    "parallelize",
-    "pipeline",
-    "validate",
-]
+__all__ = ["SPEC", "Qwen3", "Qwen3Args", "flavors"]

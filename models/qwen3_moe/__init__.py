@@ -1,4 +1,5 @@
-"""Qwen3-MoE family: model, published flavors, the trainer's routing hooks.
+"""Qwen3-MoE family: model, published flavors, registry entry (TP plan, EP check and activation
+count in plan.py, routing hooks in routing.py, Hugging Face names in hf.py).
 
 Published shapes from the Qwen3-30B-A3B and Qwen3-235B-A22B configs (128 experts, 8 chosen
 per token, renormalised top-k weights, head_dim 128, 4 key/value heads, vocabulary 151,936,
@@ -6,7 +7,14 @@ untied, RoPE theta 1e6, every layer sparse). `vocab_size` is replaced by the tok
 one is loaded.
 """
 
+from models.contract import HFAdapter, ModelSpec, RoutingHooks, register
+from models.qwen3_moe import hf, routing
 from models.qwen3_moe.model import MoE, Qwen3MoE, Qwen3MoEArgs
+from models.qwen3_moe.plan import (
+    qwen3_moe_block_activation_bytes,
+    qwen3_moe_tp_plan,
+    validate_qwen3_moe,
+)
 
 flavors = {
     # 8 experts, 2 per token: small enough for the CPU parity tests, and EP 2 / 4 split it
@@ -42,37 +50,31 @@ flavors = {
 }
 
 
-def parallelize(*args, **kwargs):
-    from models.qwen3_moe.parallelize import parallelize_qwen3_moe
+SPEC = register(
+    ModelSpec(
+        "qwen3_moe",
+        Qwen3MoE,
+        flavors,
+        tp_plan=qwen3_moe_tp_plan,
+        validate=validate_qwen3_moe,
+        block_activation_bytes=qwen3_moe_block_activation_bytes,
+        hf=HFAdapter(
+            "qwen3_moe", hf.args_from_hf_config, hf.config_with_dtype, hf.to_hf, hf.from_hf
+        ),
+        routing=RoutingHooks(
+            experts=routing.experts,
+            expert_weights=routing.EXPERT_WEIGHTS,
+            set_stats_reduce=routing.set_stats_reduce,
+            set_counting=routing.set_counting,
+            set_loss_scale=routing.set_loss_scale,
+            after_optimizer_step=routing.after_optimizer_step,
+            layer_stats=routing.layer_stats,
+            summarize=routing.summarize,
+            active_params=routing.active_params,
+        ),
+        compile_module="attention",  # routing has data-dependent shapes (counts, EP splits)
+        function_args=("rope_theta", "norm_eps"),
+    )
+)
 
-    return parallelize_qwen3_moe(*args, **kwargs)
-
-
-def pipeline(*args, **kwargs):
-    from models.qwen3_moe.parallelize import pipeline_qwen3_moe
-
-    return pipeline_qwen3_moe(*args, **kwargs)
-
-
-def validate(cfg, args) -> list[str]:
-    from models.qwen3_moe.parallelize import validate_qwen3_moe
-
-    return validate_qwen3_moe(cfg, args)
-
-
-def block_activation_bytes(*args) -> float:
-    from models.qwen3_moe.parallelize import qwen3_moe_block_activation_bytes
-
-    return qwen3_moe_block_activation_bytes(*args)
-
-
-__all__ = [
-    "MoE",
-    "Qwen3MoE",
-    "Qwen3MoEArgs",
-    "block_activation_bytes",
-    "flavors",
-    "parallelize",
-    "pipeline",
-    "validate",
-]
+__all__ = ["SPEC", "MoE", "Qwen3MoE", "Qwen3MoEArgs", "flavors"]

@@ -1,4 +1,5 @@
-"""The MoE layers' training-time state, for the trainer's `models.RoutingHooks`: the loss scale
+"""The MoE layers' training-time state, for `models.contract.RoutingHooks`: where the experts
+are, how the routing statistics are summed over data-parallel ranks, the loss scale
 of the auxiliary losses, the aux-loss-free bias update after each optimizer step, and the
 router statistics of the step that the metrics log.
 
@@ -22,6 +23,27 @@ def moe_layers(model_parts: list[nn.Module]) -> dict[str, MoE]:
         for key, block in part.layers.items():
             out[key] = next(m for m in block.modules() if isinstance(m, MoE))
     return out
+
+
+EXPERT_WEIGHTS = ("w1", "w2", "w3")  # each [n_experts, ...]: expert parallelism splits dim 0
+
+
+def experts(model_parts: list[nn.Module]) -> dict[str, nn.Module]:
+    """Each block's grouped experts (what expert parallelism shards), by block key."""
+    return {key: moe.experts for key, moe in moe_layers(model_parts).items()}
+
+
+def set_stats_reduce(model_parts: list[nn.Module], reduce) -> None:
+    """`reduce(stats)` sums the routing statistics over the data-parallel ranks in forward, so
+    load balancing sees the global micro-batch."""
+    for moe in moe_layers(model_parts).values():
+        moe.reduce_stats = reduce
+
+
+def set_counting(model_parts: list[nn.Module], on: bool) -> None:
+    """Off: the layers route without adding to the step's statistics (a shape-inference pass)."""
+    for moe in moe_layers(model_parts).values():
+        moe.counting = on
 
 
 def set_loss_scale(model_parts: list[nn.Module], scale: float) -> None:

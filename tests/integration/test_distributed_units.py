@@ -93,13 +93,16 @@ def _two_rank_checks(rank: int, world: int) -> None:
     # FSDP2 units: the embeddings are gathered only around their own forward (their backward
     # needs no weights), the final norm + output stay gathered from their forward into their
     # backward, and the gradients equal one process's.
-    from models.llama3.parallelize import llama_fsdp_units
+    from models.llama3 import SPEC
+    from parallelisms.decoder import decoder_fsdp_units
     from parallelisms.fsdp import apply_fsdp
 
     f32 = torch.float32
     model = tiny_model(
         args,
-        lambda m: apply_fsdp(m, mesh, llama_fsdp_units(m), param_dtype=f32, reduce_dtype=f32),
+        lambda m: apply_fsdp(
+            m, mesh, decoder_fsdp_units(m, SPEC, None), param_dtype=f32, reduce_dtype=f32
+        ),
     )
 
     def gathered(module) -> bool:  # FSDP2 registers plain tensors while a unit is gathered

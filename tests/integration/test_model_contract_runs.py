@@ -18,7 +18,7 @@ from models.qwen3 import Qwen3, Qwen3Args
 def _tp_gap(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from models.qwen3.parallelize import qwen3_tp_plan
+    from models.qwen3.plan import qwen3_tp_plan
     from parallelisms.parallel_dims import ParallelismError
     from parallelisms.tensor_parallel import TPPlan, apply_tp
 
@@ -46,10 +46,10 @@ FAMILY = '''
 """A family outside the meshtrain tree: Llama's model under another name and flavor."""
 from models import ModelSpec, register
 from models.llama3 import ModelArgs, Transformer
-from models.llama3.parallelize import parallelize_llama, validate_llama
+from models.llama3.plan import llama_tp_plan
 
 register(ModelSpec("outside", Transformer, {"small": ModelArgs(dim=64, n_layers=2, n_heads=4,
-         n_kv_heads=2, vocab_size=4096)}, parallelize_llama, None, validate_llama))
+         n_kv_heads=2, vocab_size=4096)}, tp_plan=llama_tp_plan))
 '''
 
 
@@ -71,3 +71,18 @@ def test_a_family_registered_outside_the_tree_trains(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert bad.returncode == 2 and "job.custom_import" in bad.stderr
+
+
+def test_importing_the_contract_or_a_parallelism_registers_no_family():
+    """Each family registers itself from its own package, when first asked for: importing the
+    contract, the registry or a parallelism imports none of them."""
+    code = (
+        "import sys, models, models.contract, parallelisms.decoder, parallelisms.fsdp\n"
+        "from models.contract import MODELS\n"
+        "loaded = [m for m in sys.modules if m.split('.')[:2] in "
+        "[['models', f] for f in models.builtin_families()]]\n"
+        "assert not MODELS and not loaded, (MODELS, loaded)\n"
+        "assert models.get_model_spec('qwen3_moe').routing is not None\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr

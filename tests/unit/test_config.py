@@ -7,7 +7,7 @@ import pytest
 
 from job_config import ConfigError, JobConfig, config_notes, config_to_toml, help_text, parse_args
 from job_config.loader import CONFIGS_DIR
-from models import MODELS
+from models import get_model_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,7 +23,7 @@ def test_defaults_and_preset_by_bare_name():
 @pytest.mark.parametrize("name", sorted(p.stem for p in CONFIGS_DIR.glob("*.toml")))
 def test_every_preset_loads(name):
     cfg = parse_args(["--config", name])
-    assert cfg.model.name in MODELS and cfg.model.flavor in MODELS[cfg.model.name].flavors
+    assert cfg.model.flavor in get_model_spec(cfg.model.name).flavors
 
 
 def test_llama31_presets_scale_rope_unless_told_otherwise():

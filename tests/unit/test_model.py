@@ -7,7 +7,7 @@ import torch
 
 from metrics import count_params
 from models import build_model_args
-from models.llama3 import ModelArgs, Transformer, llama3_flavors
+from models.llama3 import ModelArgs, Transformer, flavors
 from models.llama3.model import Attention, FeedForward, apply_rope, rope_frequencies, rope_table
 from parallelisms.init_weights import init_weights
 
@@ -90,9 +90,9 @@ def test_model_rmsnorms_match_reference():
 
 def test_swiglu_sizing_and_output():
     # Llama 3 8B: dim 4096, multiplier 1.3, multiple_of 1024 -> 14336 (published).
-    assert llama3_flavors["8B"].ffn_hidden_dim == 14336
-    assert llama3_flavors["70B"].ffn_hidden_dim == 28672
-    assert llama3_flavors["405B"].ffn_hidden_dim == 53248
+    assert flavors["8B"].ffn_hidden_dim == 14336
+    assert flavors["70B"].ffn_hidden_dim == 28672
+    assert flavors["405B"].ffn_hidden_dim == 53248
     assert ModelArgs(dim=256, multiple_of=256).ffn_hidden_dim == 768  # int(2*1024/3)=682 -> 768
     ff = FeedForward(8, 16)
     x = torch.randn(4, 8)
@@ -113,7 +113,7 @@ def test_swiglu_sizing_and_output():
     ],
 )
 def test_flavor_parameter_counts_on_meta(flavor, expected):
-    args = llama3_flavors[flavor]
+    args = flavors[flavor]
     with torch.device("meta"):
         model = Transformer(args)
     assert all(p.is_meta for p in model.parameters())
@@ -136,7 +136,7 @@ def test_debugmodel_parameter_count_by_hand():
     total = vocab * dim + layers * per_layer + dim + dim * vocab  # + final norm + output
     assert total == 6_819_072  # what the README and `--job.dry_run` say
     with torch.device("meta"):
-        model = Transformer(llama3_flavors["debugmodel"])
+        model = Transformer(flavors["debugmodel"])
     assert sum(p.numel() for p in model.parameters()) == total
     assert count_params(model) == total
     assert count_params(model, exclude_embedding=True) == total - vocab * dim

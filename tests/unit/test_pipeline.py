@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from job_config import parse_args
-from models.llama3 import ModelArgs, Transformer
-from models.llama3.pipeline import llama_stage_modules
+from models.llama3 import SPEC, ModelArgs, Transformer
 from parallelisms.parallel_dims import ParallelismError
 from parallelisms.pipeline import (
     is_single_stage,
@@ -18,6 +17,7 @@ from parallelisms.pipeline import (
     schedule_class,
     split_module,
     stage_ids_for_rank,
+    stage_module_names,
     stage_to_rank,
     v_schedules_on_gloo,
     validate_pipeline_config,
@@ -192,7 +192,7 @@ def test_stages_keep_full_model_names_and_partition_it():
     with torch.device("meta"):
         model = Transformer(args)
     cfg = _cfg("--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble").parallelism
-    names = llama_stage_modules(model, cfg)
+    names = stage_module_names(len(model.layers), cfg, SPEC.embeddings, SPEC.head)
     assert names[0] == ["tok_embeddings", "layers.0"] and names[-1] == [
         "layers.3",
         "norm",

@@ -1,10 +1,9 @@
-"""How Llama 3 is parallelized: its TP plan and FSDP units as data, and the order the generic
-parallelisms are applied in: tensor parallel -> activation checkpointing -> compile -> data
-parallel (FSDP2 / ZeRO). Works on the whole model or on one pipeline stage of it."""
+"""What the framework needs to know to parallelize Llama 3, as data: its tensor-parallel plan
+and the activation bytes one block saves (for the estimator). The generic decoder path
+(`parallelisms/decoder.py`) applies them; nothing here composes parallelisms."""
 
 from __future__ import annotations
 
-from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -13,12 +12,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from parallelisms.activation_checkpoint import apply_ac
-from parallelisms.compile import apply_compile
-from parallelisms.data_parallel import apply_data_parallel
-from parallelisms.fsdp import FsdpUnit, embed_blocks_head_units
-from parallelisms.parallel_dims import ParallelDims, ParallelismError, tied_weight_problems
-from parallelisms.tensor_parallel import TPPlan, apply_tp, check_tp
+from parallelisms.tensor_parallel import TPPlan
 
 
 def llama_tp_plan(loss_parallel: bool) -> TPPlan:
@@ -60,50 +54,6 @@ def llama_tp_plan(loss_parallel: bool) -> TPPlan:
             "feed_forward.w3": ColwiseParallel(),
         },
     )
-
-
-def llama_fsdp_units(model: nn.Module) -> list[FsdpUnit]:
-    """The token embeddings (first in forward), each block, then the final norm and output
-    projection together (last in forward, first in backward); tied, the embeddings join that
-    last unit."""
-    return embed_blocks_head_units(
-        model, ["tok_embeddings"], ["norm", "output"], model.args.tie_embeddings
-    )
-
-
-def parallelize_llama(
-    model: nn.Module, parallel_dims: ParallelDims, job_config, device_type: str
-) -> nn.Module:
-    p, ac, comp = job_config.parallelism, job_config.activation_checkpoint, job_config.compile
-    if parallel_dims.tp_enabled:
-        # First: TP turns the weights into tp-sharded DTensors, which FSDP then shards on dp,
-        # and its collectives belong inside the blocks that AC recomputes and compile traces.
-        apply_tp(model, parallel_dims.dim("tp"), llama_tp_plan(not p.disable_loss_parallel))
-        model.tie_weights()  # TP distributed the two tied modules' weights one by one
-    if ac.mode != "none":
-        # Before compile, so each compiled block graph contains its checkpointing policy.
-        apply_ac(model, ac.mode, ac.selective_ac_option)
-    if comp.enable and "model" in comp.components:
-        # Before data parallelism, so FSDP/ZeRO hooks run around the compiled blocks, not in them.
-        apply_compile(model)
-    if parallel_dims.data_parallel_enabled:
-        # Last: FSDP wraps the final block modules (its units) and shards whatever TP made.
-        apply_data_parallel(model, parallel_dims, job_config, device_type, llama_fsdp_units)
-    return model
-
-
-def validate_llama(cfg, args) -> list[str]:
-    """What a Llama run cannot do, found from the config before any process group starts."""
-    try:
-        check_tp(args.n_heads, args.kv_heads, cfg.training.seq_len,
-                 cfg.parallelism.tensor_parallel_degree)  # fmt: skip
-    except ParallelismError as e:
-        problems = [str(e)]
-    else:
-        problems = []
-    if args.tie_embeddings:
-        problems += tied_weight_problems(cfg.parallelism, cfg.model.flavor)
-    return problems
 
 
 def llama_block_activation_bytes(args, s: int, b: int, t: int = 1) -> float:

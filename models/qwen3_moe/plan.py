@@ -1,0 +1,58 @@
+"""What the framework needs to know to parallelize Qwen3-MoE, as data: its tensor-parallel plan
+(Qwen3's for attention; the MoE layer on the whole sequence), its own check (EP over the
+experts) and the activation bytes one block saves. Where the experts are and how routing
+statistics are reduced is in routing.py; the generic decoder path (`parallelisms/decoder.py`)
+applies expert parallelism, TP, AC, compile and data parallelism from them."""
+
+from __future__ import annotations
+
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+from models.qwen3.plan import qwen3_tp_plan
+from parallelisms.tensor_parallel import ReplicateParallel, TPPlan
+
+
+def qwen3_moe_tp_plan(loss_parallel: bool) -> TPPlan:
+    """Qwen3's plan for embeddings, attention and output. The MoE layer takes the whole
+    sequence (all-gathered, like the dense feed-forward's input) and returns it to sequence
+    shards: every TP rank routes the same tokens with a replicated router, and runs the experts
+    it holds (all of them, or its EP share) on them; no expert weight is split over TP."""
+    dense = qwen3_tp_plan(loss_parallel)
+    block = {k: v for k, v in dense.block.items() if not k.startswith("feed_forward")}
+    block["moe"] = PrepareModuleInputOutput(
+        input_layouts=(Shard(1),),
+        desired_input_layouts=(Replicate(),),
+        use_local_input=True,
+        output_layouts=(Replicate(),),
+        desired_output_layouts=(Shard(1),),
+        use_local_output=True,
+    )
+    block["moe.router"] = ReplicateParallel()
+    return TPPlan(root=dense.root, block=block)
+
+
+def validate_qwen3_moe(cfg, args) -> list[str]:
+    """What a Qwen3-MoE run cannot do beyond the generic decoder checks, found from the config
+    before any process group starts: EP must split the experts evenly."""
+    problems = []
+    ep = cfg.parallelism.expert_parallel_degree
+    if args.n_experts % ep:
+        problems.append(
+            f"parallelism.expert_parallel_degree = {ep} must divide the {args.n_experts} "
+            f"experts of model.flavor = '{cfg.model.flavor}'."
+        )
+    return problems
+
+
+def qwen3_moe_block_activation_bytes(args, s: int, b: int, t: int = 1) -> float:
+    """Activation bytes one Qwen3-MoE block saves for backward (16-bit compute): Qwen3's
+    attention part (20 dim for the norms, 16 q_dim + 8 kv_dim, the per-head norm statistics),
+    divided by t under TP + SP, plus the MoE layer on the whole sequence (TP ranks share its
+    tokens): per token the router's fp32 logits and scores (8 E), the k copies of the input
+    gathered for the experts (2 k dim) and per copy SwiGLU's saved tensors (8 moe_ffn_dim) and
+    output (2 dim)."""
+    q_dim, kv_dim = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    attention = 20 * args.dim + 16 * q_dim + 8 * kv_dim + 8 * args.n_heads + 4 * args.n_kv_heads
+    moe = 8 * args.n_experts + args.top_k * (4 * args.dim + 8 * args.moe_ffn_dim)
+    return float(s) * b * (attention / t + moe)

@@ -1,0 +1,167 @@
+"""The one composition of parallelisms for every decoder family: a family gives data (its
+`ModelSpec`: TP plan, embedding and head module names, what to compile, where its experts are)
+and this module applies, in order,
+
+  expert parallel -> tensor parallel -> activation checkpointing -> compile -> data parallel
+
+to the whole model or to one pipeline stage of it (`pipeline_decoder` cuts the stages), and
+runs the generic checks every decoder needs before any process group starts
+(`decoder_problems`).
+
+Why this order: TP turns weights into tp-sharded DTensors that FSDP then shards on the data
+dims, and its collectives belong inside the blocks that AC recomputes and compile traces; AC
+comes before compile so each compiled block graph holds its checkpointing policy; data
+parallelism comes last so FSDP/ZeRO hooks run around the compiled blocks, not in them. EP
+first: the experts become "ep"-sharded DTensors that TP leaves alone and FSDP shards further.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from models.contract import ModelSpec
+from parallelisms.activation_checkpoint import apply_ac
+from parallelisms.compile import apply_compile
+from parallelisms.data_parallel import apply_data_parallel, apply_expert_zero
+from parallelisms.expert_parallel import apply_ep, replicate_experts
+from parallelisms.fsdp import FsdpUnit, embed_blocks_head_units, fsdp_mesh
+from parallelisms.parallel_dims import ParallelDims, ParallelismError, tied_weight_problems
+from parallelisms.pipeline import build_pipeline, stage_module_names
+from parallelisms.tensor_parallel import apply_tp, check_tp
+
+logger = logging.getLogger("meshtrain")
+
+
+def decoder_problems(spec: ModelSpec, cfg, args) -> list[str]:
+    """What this run of the family cannot do, from the config alone: TP must split the heads
+    and the sequence, tied weights rule out PP and ZeRO 0-2, then the family's own checks."""
+    problems = []
+    try:
+        check_tp(args.n_heads, args.n_kv_heads, cfg.training.seq_len,
+                 cfg.parallelism.tensor_parallel_degree)  # fmt: skip
+    except ParallelismError as e:
+        problems.append(str(e))
+    if getattr(args, "tie_embeddings", False):
+        problems += tied_weight_problems(cfg.parallelism, cfg.model.flavor)
+    return problems + (spec.validate(cfg, args) if spec.validate else [])
+
+
+def decoder_fsdp_units(model: nn.Module, spec: ModelSpec, parallel_dims: ParallelDims):
+    """The embeddings (first in forward), each block, then the head (last in forward, first in
+    backward); tied, the embeddings join the head's unit. Under EP each block's experts come
+    first, sharded over the ranks outside EP, their reduced gradients divided by the whole
+    DP x CP degree (they sum the EP group's tokens; dense gradients are averaged over DP x CP)."""
+    tied = getattr(model.args, "tie_embeddings", False)
+    units = embed_blocks_head_units(model, list(spec.embeddings), list(spec.head), tied)
+    if spec.routing is None or not parallel_dims.ep_enabled:
+        return units
+    mesh = fsdp_mesh(parallel_dims, "dp_shard_mod_ep")
+    divide = parallel_dims.dp * parallel_dims.cp
+    experts = spec.routing.experts([model]).values()
+    return [FsdpUnit([e], "experts", mesh=mesh, gradient_divide_factor=divide) for e in experts]
+
+
+def _sum_over(group):
+    def reduce(stats: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
+        return stats
+
+    return reduce
+
+
+def _apply_expert_parallel(model: nn.Module, spec: ModelSpec, parallel_dims: ParallelDims):
+    """Routing statistics summed over the global micro-batch (all its sequences and CP shards);
+    experts split over "ep", or replicated over "tp" when TP runs without EP."""
+    routing = spec.routing
+    if parallel_dims.data_parallel_enabled:
+        routing.set_stats_reduce([model], _sum_over(parallel_dims.dim("dp_cp").get_group()))
+    for experts in routing.experts([model]).values():
+        if parallel_dims.ep_enabled:
+            apply_ep(experts, parallel_dims.dim("ep"), routing.expert_weights)
+        elif parallel_dims.tp_enabled:
+            replicate_experts(experts, parallel_dims.dim("tp"), routing.expert_weights)
+
+
+def parallelize_decoder(
+    model: nn.Module, spec: ModelSpec, parallel_dims: ParallelDims, job_config, device_type: str
+) -> nn.Module:
+    """Applies the run's parallelisms to `model` (whole, or one pipeline stage) in place."""
+    p, ac, comp = job_config.parallelism, job_config.activation_checkpoint, job_config.compile
+    if spec.routing is not None:
+        _apply_expert_parallel(model, spec, parallel_dims)
+    if parallel_dims.tp_enabled:
+        apply_tp(model, parallel_dims.dim("tp"), spec.tp_plan(not p.disable_loss_parallel))
+        model.tie_weights()  # TP distributed the two tied modules' weights one by one
+    if ac.mode != "none":
+        apply_ac(model, ac.mode, ac.selective_ac_option)
+    if comp.enable and "model" in comp.components:
+        apply_compile(model, spec.compile_module or None)
+    if spec.routing is not None and parallel_dims.ep_enabled and parallel_dims.zero_stage < 3:
+        for experts in spec.routing.experts([model]).values():  # own meshes, before the rest
+            apply_expert_zero(experts, parallel_dims, job_config, device_type)
+    if parallel_dims.data_parallel_enabled:
+        units = functools.partial(decoder_fsdp_units, spec=spec, parallel_dims=parallel_dims)
+        apply_data_parallel(model, parallel_dims, job_config, device_type, units)
+    return model
+
+
+def pipeline_decoder(
+    model: nn.Module,
+    spec: ModelSpec,
+    parallel_dims: ParallelDims,
+    job_config,
+    device: torch.device,
+    loss_fn,
+):
+    """This rank's pipeline stages, each parallelized like the whole model, and the schedule:
+    the planned layers, the embeddings on the first stage, the head on the last.
+
+    Returns (model_parts, schedule, has_first_stage, has_last_stage)."""
+    names = stage_module_names(
+        len(model.layers), job_config.parallelism, spec.embeddings, spec.head
+    )
+    parts, schedule, first, last = build_pipeline(
+        model,
+        parallel_dims,
+        job_config,
+        device,
+        loss_fn,
+        names,
+        lambda m: parallelize_decoder(m, spec, parallel_dims, job_config, device.type),
+    )
+    if spec.routing is not None:
+        for stage in getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]:
+            _uncounted_metadata_forward(stage, spec.routing)
+    return parts, schedule, first, last
+
+
+_METADATA_FORWARDS = ("_forward_metadata_inference", "_shape_inference")
+
+
+def _uncounted_metadata_forward(stage, routing) -> None:
+    """torch's pipeline stages run one extra forward on the first step to learn the shapes
+    they exchange (on placeholder inputs); its routing must not count as the step's. Wraps
+    that method (its name differs across torch versions) so the stage's routing skips it."""
+    name = next((n for n in _METADATA_FORWARDS if hasattr(stage, n)), None)
+    if name is None:
+        logger.warning(
+            "MoE + pipeline: this torch's stages have none of %s; if they run a shape-inference "
+            "forward, its routing counts toward the first step's balancing statistics",
+            ", ".join(_METADATA_FORWARDS),
+        )
+        return
+    infer, parts = getattr(stage, name), [stage.submod]
+
+    def uncounted(*args, **kwargs):
+        routing.set_counting(parts, False)
+        try:
+            return infer(*args, **kwargs)
+        finally:
+            routing.set_counting(parts, True)
+
+    setattr(stage, name, uncounted)
