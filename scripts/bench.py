@@ -51,7 +51,7 @@ from bench_measure import (
     measure_peak,
     run_once,
 )
-from bench_report import render
+from bench_report import kept_notes, render
 from bench_rows import DEFAULT_ROWS, ROWS, Row, get_row
 
 
@@ -174,12 +174,13 @@ def run_bench(argv: list[str]) -> int:
 
 def rerender(argv: list[str]) -> int:
     """`--render FOLDER [BASELINE]`: the table of a folder's bench.json again (e.g. with a
-    new baseline row), rewriting its bench.json and bench.md."""
+    new baseline row), rewriting its bench.json and bench.md; the bench.md's `## Notes`
+    section stays (a fresh run writes none: its notes belong to the runs they describe)."""
     folder = Path(argv[0])
     payload = json.loads((folder / "bench.json").read_text())
     if len(argv) > 1:
         payload["baseline"] = argv[1]
-    print(render(payload, folder))
+    print(render(payload, folder, kept_notes(folder)))
     return 0
 
 

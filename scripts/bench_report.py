@@ -64,10 +64,24 @@ def table(results: list[dict], baseline: str | None) -> list[str]:
     return lines
 
 
-def render(payload: dict, folder: Path) -> str:
-    """Summarises the raw runs into the table and writes bench.json and bench.md. The peak
-    is the better of the two matmul measurements (before and after the runs): on a shared
-    machine either may be depressed by other load, and a low peak would inflate MFU."""
+NOTES_HEADING = "## Notes"
+
+
+def kept_notes(folder: Path) -> str:
+    """The hand-written part of a folder's bench.md, from its `## Notes` heading to the end
+    (results measured beside the table: profiles, earlier invocations, one-off comparisons),
+    which re-tabulating the same runs keeps; "" when there is none."""
+    md = folder / "bench.md"
+    text = md.read_text() if md.exists() else ""
+    at = text.find("\n" + NOTES_HEADING + "\n")
+    return text[at + 1 :] if at >= 0 else ""
+
+
+def render(payload: dict, folder: Path, notes: str = "") -> str:
+    """Summarises the raw runs into the table and writes bench.json and bench.md (with
+    `notes`, a `kept_notes` text, after the table). The peak is the better of the two matmul
+    measurements (before and after the runs): on a shared machine either may be depressed by
+    other load, and a low peak would inflate MFU."""
     p = payload
     peak = max(p["peak_flops_before"], p["peak_flops_after"])
     rows = [get_row(name) for name in p["runs"]]
@@ -101,5 +115,5 @@ def render(payload: dict, folder: Path) -> str:
     md = "\n".join(header + table(results, p["baseline"] if p["baseline"] in p["runs"] else None))
     out = {**p, "peak_flops": peak, "rows": results}
     (folder / "bench.json").write_text(json.dumps(out, indent=1) + "\n")
-    (folder / "bench.md").write_text(md + "\n")
+    (folder / "bench.md").write_text(md + "\n" + ("\n" + notes if notes else ""))
     return md
