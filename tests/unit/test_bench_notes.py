@@ -1,12 +1,14 @@
 """bench.py --render re-tabulates a folder's bench.json and keeps the hand-written `## Notes`
-section of its bench.md (results measured beside the table); a folder without notes gets back
-exactly the file it had."""
+section of its bench.md (results measured beside the table)."""
 
 import json
 import shutil
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
+FOLDERS = sorted(p.parent for p in (ROOT / "benchmarks").glob("*/bench.json"))
 
 
 def _report(monkeypatch):
@@ -16,26 +18,29 @@ def _report(monkeypatch):
     return bench_report
 
 
-def test_rerender_keeps_the_notes_and_the_table(tmp_path, monkeypatch):
+def test_notes_added_to_a_table_survive_a_rerender(tmp_path, monkeypatch):
     report = _report(monkeypatch)
-    folder = tmp_path / "cpu_moe_ep2"
-    shutil.copytree(ROOT / "benchmarks" / "cpu_moe_ep2", folder)
+    folder = tmp_path / "moe"
+    folder.mkdir()
+    shutil.copy(ROOT / "benchmarks" / "cpu_moe_ep2" / "bench.json", folder)
+    payload = json.loads((folder / "bench.json").read_text())
+    report.render(payload, folder)
     table = (folder / "bench.md").read_text()
+    assert report.kept_notes(folder) == ""
+
     notes = "## Notes\n\n- a profile of one step: 71% in aten::mm\n"
     (folder / "bench.md").write_text(table + "\n" + notes)
     assert report.kept_notes(folder) == notes
-
-    payload = json.loads((folder / "bench.json").read_text())
     report.render(payload, folder, report.kept_notes(folder))
     assert (folder / "bench.md").read_text() == table + "\n" + notes
 
 
-def test_rerender_without_notes_writes_the_same_file(tmp_path, monkeypatch):
+@pytest.mark.parametrize("source", FOLDERS, ids=lambda p: p.name)
+def test_rerendering_a_benchmark_folder_gives_back_its_files(source, tmp_path, monkeypatch):
     report = _report(monkeypatch)
-    folder = tmp_path / "cpu_m50_dp2"
-    shutil.copytree(ROOT / "benchmarks" / "cpu_m50_dp2", folder)
-    before = (folder / "bench.md").read_text()
-    assert report.kept_notes(folder) == ""
-
-    report.render(json.loads((folder / "bench.json").read_text()), folder)
-    assert (folder / "bench.md").read_text() == before
+    folder = tmp_path / source.name
+    shutil.copytree(source, folder)
+    payload = json.loads((folder / "bench.json").read_text())
+    report.render(payload, folder, report.kept_notes(folder))
+    for name in ("bench.md", "bench.json"):
+        assert (folder / name).read_text() == (source / name).read_text()
