@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CPU benchmark set behind README's Performance section (about an hour on 2 cores).
+# The CPU benchmark set whose folders docs/performance.md links (about an hour on 2 cores).
 #   benchmarks/run_cpu.sh [part ...]
 # parts (default: all): debug m50 m50_bf16 dp dp4 memory breakdown memory_bf16 layouts moe cp
 set -euo pipefail

@@ -3,7 +3,7 @@ the link that dimension uses, and the modelled compute time they hide behind (or
 
 Ring collectives: an all-gather or reduce-scatter of a tensor of S bytes sends (n-1)/n S per
 rank, an all-reduce twice that. Mesh order (outer to inner) pp, dp, cp, tp, so TP groups are the
-closest ranks, CP groups the next (cp ranks tp apart). `tests/test_estimate.py` checks the
+closest ranks, CP groups the next (cp ranks tp apart). `tests/unit/test_estimate.py` checks the
 bytes against the collectives of a real step.
 
 Context parallelism (`Layout.cp`): each CP rank holds seq_len / cp tokens of every sequence;

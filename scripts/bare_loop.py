@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import compute_dtype, vocab_size  # scripts/bench.py, next to this file
+from bench_measure import compute_dtype, vocab_size  # scripts/bench_measure.py, next to this file
 
 
 def build_model(cfg, args):

@@ -27,14 +27,8 @@ from metrics.flops import flops_per_token
 from models import get_model_spec, model_args_for
 from models.llama3 import ModelArgs
 from parallelisms.parallel_dims import ParallelismError
-from planning.advise import (
-    Workload,
-    advise,
-    explain,
-    format_candidates,
-    format_header,
-    verification_config,
-)
+from planning.advice_report import explain, format_candidates, format_header
+from planning.advise import Workload, advise, verification_config
 from planning.communication import Cluster
 from planning.memory import GIB, zero_bytes_per_param
 from planning.simulate import count_experts, format_plan, simulate

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # NOT YET RUN ON A GPU. Its arguments pass train.py's
-# config checks on CPU (`CHECK_ONLY=1`, run by tests/test_gpu_check.py).
+# config checks on CPU (`CHECK_ONLY=1`, run by tests/integration/test_gpu_check.py).
 #
 # A Llama 3 8B-shaped model (dim 4096, 32 heads, 8 KV heads, the 8B FFN, a 128,256-token
 # vocabulary) with as many layers as fit: bf16 compute (one GPU: autocast over fp32 params;

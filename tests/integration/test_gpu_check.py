@@ -34,11 +34,11 @@ def test_shaped_tokenizer_has_llama3_vocabulary_and_trains(tmp_path):
     assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id and max(ids[1:-1]) > 255  # merges
 
     # bench.py counts FLOPs (and MFU) with the tokenizer's vocabulary, as train.py builds it
-    from scripts import bench
+    from scripts import bench_measure
 
     shape = ["--config", "tests/tiny_model.toml"]
-    _, sample_params = bench.flops_per_token(shape)
-    _, shaped_params = bench.flops_per_token([*shape, "--model.tokenizer_path", str(path)])
+    _, sample_params = bench_measure.flops_per_token(shape)
+    _, shaped_params = bench_measure.flops_per_token([*shape, "--model.tokenizer_path", str(path)])
     assert shaped_params - sample_params == 2 * 64 * (128_256 - 4096)  # embedding + output
 
     dump = tmp_path / "run"
