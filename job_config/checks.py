@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from job_config.problems import ConfigError, Problems
-from job_config.schema import JobConfig
+from job_config.schema import JobConfig, config_sections
 
 _DEFAULTS = JobConfig()
 # The suffixes that name one file dataset (as data.sources.FILE_EXTENSIONS reads them).
@@ -33,9 +33,9 @@ def _given(cfg: JobConfig, keys: list[str], because: list[str]) -> list[str]:
     Left out: preset values whose feature the command line switched off, i.e. a key in
     `because` (the options that make `keys` moot) was given there: `--validation.enable false`
     on a preset that sets validation.freq says what the user wants. A config built in code
-    (no `_cli_keys`) counts every non-default value as given.
+    (empty `provenance.cli_keys`) counts every non-default value as given.
     """
-    cli = getattr(cfg, "_cli_keys", set())
+    cli = cfg.provenance.cli_keys
     excused = any(k in cli for k in because)
     return [k for k in keys if _value(cfg, k) != _value(_DEFAULTS, k) and (k in cli or not excused)]
 
@@ -64,7 +64,9 @@ def ignored_options(cfg: JobConfig) -> set[str]:
     Repeated with those at their defaults until none is left, since one (validation.enable,
     say) can be what made others count."""
     probe = copy.deepcopy(cfg)
-    probe._cli_keys = {f"{s}.{k}" for s, keys in dataclasses.asdict(cfg).items() for k in keys}
+    probe.provenance.cli_keys = {
+        f"{s}.{f.name}" for s in config_sections() for f in dataclasses.fields(getattr(cfg, s))
+    }
     ignored: set[str] = set()
     while True:
         problems = Problems()
@@ -80,7 +82,7 @@ def ignored_options(cfg: JobConfig) -> set[str]:
 
 def config_notes(cfg: JobConfig) -> list[str]:
     """What validation inferred (e.g. a dataset kind from a path's suffix), for the run log."""
-    return getattr(cfg, "_notes", [])
+    return list(cfg.provenance.notes)
 
 
 def _check_dataset_path(cfg: JobConfig, problems: Problems, section: str) -> None:
@@ -94,13 +96,12 @@ def _check_dataset_path(cfg: JobConfig, problems: Problems, section: str) -> Non
         return
     path = sec.dataset_path
     kind = _SUFFIX_DATASETS.get(Path(path).suffix.lower())
-    if kind and kind_key not in getattr(cfg, "_cli_keys", set()):
+    if kind and kind_key not in cfg.provenance.cli_keys:
         sec.dataset = kind
-        cfg._notes = [
-            *config_notes(cfg),
+        cfg.provenance.notes.append(
             f"{kind_key} = '{kind}' inferred from {path_key} = '{path}' (the sample "
-            "dataset reads no path)",
-        ]
+            "dataset reads no path)"
+        )
         return
     why = "" if kind else f" (the path does not say which: {', '.join(_SUFFIX_DATASETS)} do)"
     as_training = "" if sec.dataset else ", as training.dataset = 'sample'"

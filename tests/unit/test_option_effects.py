@@ -41,6 +41,7 @@ from torch.distributed.checkpoint import FileSystemReader
 import train
 from checkpoint.state import COMPONENTS
 from job_config import JobConfig, parse_args
+from job_config.schema import config_sections
 from models import model_args_for
 from parallelisms.context_parallel import sequence_inputs
 from parallelisms.layout_record import _rank_view
@@ -733,9 +734,9 @@ LOGGING_ONLY: dict[str, str] = {
 
 def schema_options() -> set[str]:
     return {
-        f"{section.name}.{f.name}"
-        for section in dataclasses.fields(JobConfig)
-        for f in dataclasses.fields(section.default_factory())
+        f"{section}.{f.name}"
+        for section in config_sections()
+        for f in dataclasses.fields(getattr(JobConfig(), section))
     }
 
 
