@@ -1,7 +1,8 @@
 """Cross-field config checks that need no process group: options that the rest of the config
 would silently ignore (`_RULES`), batch, data, layout and feature checks. `validate` runs them
-all after loading; `train.check_config` adds the world-size checks. Every independent problem
-is reported in one ConfigError."""
+all after loading; `training.preflight.check_config` adds the world-size checks (and, with
+`report_unused`, the options the data-parallel layout ignores). Every independent problem is
+reported in one ConfigError."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def _given(cfg: JobConfig, keys: list[str], because: list[str]) -> list[str]:
     return [k for k in keys if _value(cfg, k) != _value(_DEFAULTS, k) and (k in cli or not excused)]
 
 
-def _unused(problems: Problems, cfg, keys, because, reason: str, fix: str) -> None:
+def report_unused(problems: Problems, cfg, keys, because, reason: str, fix: str) -> None:
     """One error naming the given `keys` that have no effect because of `reason`."""
     names = _given(cfg, keys, because)
     if names:
@@ -238,7 +239,7 @@ def _debug_rules(cfg: JobConfig) -> list[_Rule]:
 
 def _check_loads_without_checkpointing(cfg: JobConfig, problems: Problems) -> None:
     """Load options given with checkpoint.enable = false (this wording is older than
-    _unused's)."""
+    report_unused's)."""
     if cfg.checkpoint.enable:
         return
     loads = "initial_load_path initial_load_model_only load_step exclude_from_loading"
@@ -271,31 +272,8 @@ def _check_unused(cfg: JobConfig, problems: Problems) -> None:
     for rules in _RULES:
         for when, keys, because, reason, fix in rules(cfg):
             if when:
-                _unused(problems, cfg, keys.split(), because.split(), reason, fix)
+                report_unused(problems, cfg, keys.split(), because.split(), reason, fix)
     _check_loads_without_checkpointing(cfg, problems)
-
-
-def check_layout_options(cfg: JobConfig, dp: int, problems: Problems) -> None:
-    """Options that the data-parallel layout, known once the world size is, ignores. (With
-    replicas only, data_parallel_shard_degree = 1, zero_stage 3 is still FSDP2: HSDP.)"""
-    degrees = (
-        "data_parallel_shard",
-        "data_parallel_replicate",
-        "context_parallel",
-        "tensor_parallel",
-        "pipeline_parallel",
-    )
-    layout = ["parallelism.zero_stage"] + [f"parallelism.{k}_degree" for k in degrees]
-    fsdp = ["parallelism.fsdp_reshard_after_forward"] if cfg.parallelism.zero_stage == 3 else []
-    if dp == 1:
-        _unused(
-            problems,
-            cfg,
-            ["parallelism.zero_stage", "training.mixed_precision_reduce", *fsdp],
-            layout,
-            "the data-parallel degree is 1 (no gradient reduction, nothing to shard)",
-            "use more ranks or a data_parallel_shard_degree > 1 (or drop them)",
-        )
 
 
 def _check_batch_and_data(cfg: JobConfig, problems: Problems) -> None:
@@ -327,7 +305,7 @@ def _check_batch_and_data(cfg: JobConfig, problems: Problems) -> None:
 
 
 def validate(cfg: JobConfig) -> None:
-    """Cross-field checks that need no process group (world-size checks live in parallel_dims).
+    """Cross-field checks that need no process group (the world-size checks: training.preflight).
 
     Every independent problem is collected and reported in one ConfigError."""
     problems = Problems()

@@ -383,7 +383,7 @@ def run_training(
     cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, local_rank: int, stop
 ) -> TrainState:
     """Builds the run and trains it; any failure inside the loop comes out as a `StepError`
-    (or `NonFiniteError`), after the teardown. `stop`: train.py's StopFlag."""
+    (or `NonFiniteError`), after the teardown. `stop`: training.launch's StopFlag."""
     run = build_run(cfg, parallel_dims, rank=rank, local_rank=local_rank)
     try:
         train_loop(run, stop)

@@ -229,10 +229,11 @@ def test_failed_checkpoint_close_does_not_hide_the_training_error(tmp_path):
     # fails too (patched here): the error the user sees must be the training one.
     dump = tmp_path / "fail"
     boot = (
-        "import sys, train, checkpoint.manager as m\n"
+        "import sys, checkpoint.manager as m\n"
+        "from training.launch import run\n"
         "def close(self): raise OSError('close failed: disk gone')\n"
         "m.CheckpointManager.close = close\n"
-        "sys.exit(train.main(sys.argv[1:]))\n"
+        "sys.exit(run(sys.argv[1:]))\n"
     )
     cmd = [sys.executable, "-c", boot, *TINY, "--job.dump_folder", str(dump)]
     cmd += ["--training.steps", "4", "--validation.enable", "false", "--debug.fail_at_step", "3"]

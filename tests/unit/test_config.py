@@ -329,7 +329,7 @@ def test_several_errors_are_reported_in_one_numbered_message():
 
 
 def test_layout_errors_are_reported_together_with_the_config_errors():
-    from train import check_config
+    from training.preflight import check_config
 
     cfg = parse_args(["--config", "tests/tiny_model.toml", *PP2,
                       "--parallelism.pipeline_parallel_schedule", "Nope",
@@ -366,7 +366,7 @@ def test_layout_errors_are_reported_together_with_the_config_errors():
     ],
 )  # fmt: skip
 def test_options_the_layout_ignores_are_rejected(world, argv, expected):
-    from train import check_config
+    from training.preflight import check_config
 
     cfg = parse_args(["--config", "tests/tiny_model.toml", *argv])
     check_config(cfg, world_size=2 * world)  # a layout that uses them
@@ -377,7 +377,7 @@ def test_options_the_layout_ignores_are_rejected(world, argv, expected):
 def test_replicas_only_hsdp_is_fsdp_and_takes_its_options():
     """data_parallel_shard_degree 1 under replicas is still FSDP2 (HSDP on a (2, 1) mesh), so
     its FSDP options apply, and a tied flavor (one FSDP unit for the shared weight) passes."""
-    from train import check_config
+    from training.preflight import check_config
 
     for argv in (["--parallelism.fsdp_reshard_after_forward", "always"],
                  ["--model.name", "qwen3", "--model.flavor", "debugmodel"]):  # fmt: skip

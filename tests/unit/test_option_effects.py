@@ -38,7 +38,6 @@ import torch.distributed as dist
 from dist_utils import TINY_SHAPE, fake_world
 from torch.distributed.checkpoint import FileSystemReader
 
-import train
 from checkpoint.state import COMPONENTS
 from job_config import JobConfig, parse_args
 from job_config.schema import config_sections
@@ -46,6 +45,7 @@ from models import model_args_for
 from parallelisms.context_parallel import sequence_inputs
 from parallelisms.layout_record import _rank_view
 from parallelisms.parallel_dims import ParallelDims
+from training.launch import prepare
 from training.loop import TrainState, is_log_step, maybe_inject_failure, optimizer_step
 from training.trainer import (
     batch_sizes,
@@ -413,7 +413,7 @@ def resumed(case: Case) -> tuple:
 
 
 def seed_checkpoint_or_dry_run(case: Case) -> tuple:
-    """`train.prepare` on the case's command line: (what it returned, what it printed, the
+    """`training.launch.prepare` on the case's command line: (what it returned, what it printed, the
     step folders it wrote); the logging it sets up is undone."""
     root = logging.getLogger("meshtrain")
     handlers, propagate = list(root.handlers), root.propagate
@@ -421,7 +421,7 @@ def seed_checkpoint_or_dry_run(case: Case) -> tuple:
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out):
-            launch = train.prepare(case.argv)
+            launch = prepare(case.argv)
     finally:
         root.handlers[:] = handlers
         root.propagate = propagate
