@@ -1,7 +1,8 @@
 """The layering rules, read from the source with ast: the parallelisms are model- and
 loader-agnostic, so no module under parallelisms/ imports the config loader, a model family's
-package or the entry script. (Their checks that need a family or the loader live in
-training/preflight.py; `job_config.problems` and the shared `models` modules are fine.)"""
+package or the entry script (nor, above them, training/ or checkpoint/). The checks that need a
+family or the loader live in training/preflight.py; `job_config.problems` and the shared
+`models` modules are fine."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def imported_modules(path: Path) -> set[str]:
 
 
 def forbidden(module: str) -> bool:
-    banned = ["train", "job_config.loader", *(f"models.{family}" for family in FAMILIES)]
+    banned = ["train", "training", "checkpoint", "job_config.loader"]
+    banned += [f"models.{family}" for family in FAMILIES]
     return any(module == b or module.startswith(b + ".") for b in banned)
 
 
@@ -34,7 +36,7 @@ def test_the_rule_sees_every_form_of_import(tmp_path):
     assert FAMILIES and "llama3" in FAMILIES
     source = tmp_path / "example.py"
     source.write_text(
-        "import train\nfrom job_config import loader\n"
+        "import train\nfrom job_config import loader\nimport training_data\n"
         "def f():\n    from models.qwen3_moe.model import MoE\n"
         "from job_config.problems import Problems\nfrom models.attention import attend\n"
     )
@@ -43,7 +45,7 @@ def test_the_rule_sees_every_form_of_import(tmp_path):
                    "train"]  # fmt: skip
 
 
-def test_parallelisms_import_no_loader_family_or_entry_script():
+def test_parallelisms_import_no_loader_family_entry_script_or_trainer():
     files = sorted((ROOT / "parallelisms").rglob("*.py"))
     assert files
     bad = {
