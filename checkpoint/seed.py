@@ -19,16 +19,10 @@ logger = logging.getLogger("meshtrain")
 
 def build_full_model(cfg, vocab_size: int | None):
     """The plain model, materialised on CPU and initialised as in every training layout."""
-    from models import get_model_spec, model_args_for
+    from models import meta_model_for
     from parallelisms.init_weights import materialize
 
-    spec = get_model_spec(cfg.model.name)
-    try:
-        args = model_args_for(cfg.model, cfg.training.seq_len, vocab_size)
-    except ValueError as e:
-        raise CheckpointError(str(e)) from None
-    with torch.device("meta"):
-        model = spec.model_cls(args)
+    _, _, model = meta_model_for(cfg.model, cfg.training.seq_len, vocab_size, CheckpointError)
     return materialize(model, cfg.debug.seed, "cpu")
 
 

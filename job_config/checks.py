@@ -1,7 +1,8 @@
 """Cross-field config checks that need no process group: options that the rest of the config
 would silently ignore (`_RULES`), batch, data, layout and feature checks. `validate` runs them
-all after loading; `train.check_config` adds the world-size checks. Every independent problem
-is reported in one ConfigError."""
+all after loading; `training.preflight.check_config` adds the world-size checks (and, with
+`report_unused`, the options the data-parallel layout ignores). Every independent problem is
+reported in one ConfigError."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from job_config.problems import ConfigError, Problems
-from job_config.schema import JobConfig
+from job_config.schema import JobConfig, config_sections
 
 _DEFAULTS = JobConfig()
 # The suffixes that name one file dataset (as data.sources.FILE_EXTENSIONS reads them).
@@ -33,14 +34,14 @@ def _given(cfg: JobConfig, keys: list[str], because: list[str]) -> list[str]:
     Left out: preset values whose feature the command line switched off, i.e. a key in
     `because` (the options that make `keys` moot) was given there: `--validation.enable false`
     on a preset that sets validation.freq says what the user wants. A config built in code
-    (no `_cli_keys`) counts every non-default value as given.
+    (empty `provenance.cli_keys`) counts every non-default value as given.
     """
-    cli = getattr(cfg, "_cli_keys", set())
+    cli = cfg.provenance.cli_keys
     excused = any(k in cli for k in because)
     return [k for k in keys if _value(cfg, k) != _value(_DEFAULTS, k) and (k in cli or not excused)]
 
 
-def _unused(problems: Problems, cfg, keys, because, reason: str, fix: str) -> None:
+def report_unused(problems: Problems, cfg, keys, because, reason: str, fix: str) -> None:
     """One error naming the given `keys` that have no effect because of `reason`."""
     names = _given(cfg, keys, because)
     if names:
@@ -64,7 +65,9 @@ def ignored_options(cfg: JobConfig) -> set[str]:
     Repeated with those at their defaults until none is left, since one (validation.enable,
     say) can be what made others count."""
     probe = copy.deepcopy(cfg)
-    probe._cli_keys = {f"{s}.{k}" for s, keys in dataclasses.asdict(cfg).items() for k in keys}
+    probe.provenance.cli_keys = {
+        f"{s}.{f.name}" for s in config_sections() for f in dataclasses.fields(getattr(cfg, s))
+    }
     ignored: set[str] = set()
     while True:
         problems = Problems()
@@ -80,7 +83,7 @@ def ignored_options(cfg: JobConfig) -> set[str]:
 
 def config_notes(cfg: JobConfig) -> list[str]:
     """What validation inferred (e.g. a dataset kind from a path's suffix), for the run log."""
-    return getattr(cfg, "_notes", [])
+    return list(cfg.provenance.notes)
 
 
 def _check_dataset_path(cfg: JobConfig, problems: Problems, section: str) -> None:
@@ -94,13 +97,12 @@ def _check_dataset_path(cfg: JobConfig, problems: Problems, section: str) -> Non
         return
     path = sec.dataset_path
     kind = _SUFFIX_DATASETS.get(Path(path).suffix.lower())
-    if kind and kind_key not in getattr(cfg, "_cli_keys", set()):
+    if kind and kind_key not in cfg.provenance.cli_keys:
         sec.dataset = kind
-        cfg._notes = [
-            *config_notes(cfg),
+        cfg.provenance.notes.append(
             f"{kind_key} = '{kind}' inferred from {path_key} = '{path}' (the sample "
-            "dataset reads no path)",
-        ]
+            "dataset reads no path)"
+        )
         return
     why = "" if kind else f" (the path does not say which: {', '.join(_SUFFIX_DATASETS)} do)"
     as_training = "" if sec.dataset else ", as training.dataset = 'sample'"
@@ -237,7 +239,7 @@ def _debug_rules(cfg: JobConfig) -> list[_Rule]:
 
 def _check_loads_without_checkpointing(cfg: JobConfig, problems: Problems) -> None:
     """Load options given with checkpoint.enable = false (this wording is older than
-    _unused's)."""
+    report_unused's)."""
     if cfg.checkpoint.enable:
         return
     loads = "initial_load_path initial_load_model_only load_step exclude_from_loading"
@@ -270,31 +272,8 @@ def _check_unused(cfg: JobConfig, problems: Problems) -> None:
     for rules in _RULES:
         for when, keys, because, reason, fix in rules(cfg):
             if when:
-                _unused(problems, cfg, keys.split(), because.split(), reason, fix)
+                report_unused(problems, cfg, keys.split(), because.split(), reason, fix)
     _check_loads_without_checkpointing(cfg, problems)
-
-
-def check_layout_options(cfg: JobConfig, dp: int, problems: Problems) -> None:
-    """Options that the data-parallel layout, known once the world size is, ignores. (With
-    replicas only, data_parallel_shard_degree = 1, zero_stage 3 is still FSDP2: HSDP.)"""
-    degrees = (
-        "data_parallel_shard",
-        "data_parallel_replicate",
-        "context_parallel",
-        "tensor_parallel",
-        "pipeline_parallel",
-    )
-    layout = ["parallelism.zero_stage"] + [f"parallelism.{k}_degree" for k in degrees]
-    fsdp = ["parallelism.fsdp_reshard_after_forward"] if cfg.parallelism.zero_stage == 3 else []
-    if dp == 1:
-        _unused(
-            problems,
-            cfg,
-            ["parallelism.zero_stage", "training.mixed_precision_reduce", *fsdp],
-            layout,
-            "the data-parallel degree is 1 (no gradient reduction, nothing to shard)",
-            "use more ranks or a data_parallel_shard_degree > 1 (or drop them)",
-        )
 
 
 def _check_batch_and_data(cfg: JobConfig, problems: Problems) -> None:
@@ -326,7 +305,7 @@ def _check_batch_and_data(cfg: JobConfig, problems: Problems) -> None:
 
 
 def validate(cfg: JobConfig) -> None:
-    """Cross-field checks that need no process group (world-size checks live in parallel_dims).
+    """Cross-field checks that need no process group (the world-size checks: training.preflight).
 
     Every independent problem is collected and reported in one ConfigError."""
     problems = Problems()

@@ -19,7 +19,7 @@ from typing import Any, Literal, get_args, get_origin
 
 from job_config.checks import ignored_options, validate
 from job_config.problems import ConfigError
-from job_config.schema import JobConfig
+from job_config.schema import JobConfig, config_sections
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -144,7 +144,7 @@ def _check_value(key: str, value: Any, tp: Any, meta: dict) -> Any:
 
 
 def _set(cfg: JobConfig, section: str, key: str, value: Any, source: str) -> None:
-    sections = _fields(cfg)
+    sections = config_sections()
     if section not in sections:
         raise ConfigError(
             f"Unknown config section [{section}] in {source}.{_suggest(section, list(sections))}"
@@ -224,20 +224,21 @@ def parse_args(argv: list[str], *, check: bool = True) -> JobConfig:
             raise ConfigError(
                 f"Option '--{name}' must name a section and a key, e.g. --training.steps 10."
             )
-        sec_obj = getattr(cfg, section, None)
+        sec_obj = getattr(cfg, section, None) if section in config_sections() else None
         tp = None
         if dataclasses.is_dataclass(sec_obj) and key in _fields(sec_obj):
             tp = _type_hints(type(sec_obj))[key]
         _set(cfg, section, key, _parse_cli_value(text, tp) if tp else text, "the command line")
         cli_keys.add(name)
-    cfg._cli_keys = cli_keys  # see _given: who set a value decides whether it was ignored
+    cfg.provenance.cli_keys = cli_keys  # see _given: who set a value decides if it was ignored
     if check:
         validate(cfg)
     return cfg
 
 
 def config_to_dict(cfg: JobConfig) -> dict[str, dict[str, Any]]:
-    return dataclasses.asdict(cfg)
+    """The sections' values (the provenance is not an option)."""
+    return {section: dataclasses.asdict(getattr(cfg, section)) for section in config_sections()}
 
 
 def config_to_toml(cfg: JobConfig) -> str:
@@ -277,7 +278,7 @@ def help_text() -> str:
         "",
     ]
     cfg = JobConfig()
-    for section in _fields(cfg):
+    for section in config_sections():
         sec_obj = getattr(cfg, section)
         hints = _type_hints(type(sec_obj))
         out.append(f"[{section}]")

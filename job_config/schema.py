@@ -3,12 +3,13 @@
 Every option is declared with `opt(default, help, ...)`, which records its one-line help and
 its allowed range; `job_config.loader` reads these to parse TOML and command-line overrides,
 validate them and print `--help`. Names follow torchtitan's TOML where the same setting exists
-there, so configs carry over.
+there, so configs carry over. `JobConfig.provenance` is no section: it records where the values
+came from (see `Provenance`), and `config_sections` leaves it out.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 
@@ -306,6 +307,21 @@ class Debug:
 
 
 @dataclass
+class Provenance:
+    """Where a config's values came from: not an option, so never written by config_to_toml,
+    listed by `--help` or compared by `==`.
+
+    cli_keys: the "section.key" names given on the command line (parse_args), or chosen as if
+        there (planning.advise): a check excuses a preset's value that one of them makes moot.
+        Empty for a config built in code, whose every non-default value then counts as given.
+    notes: what validation inferred (e.g. a dataset kind from a path's suffix), for the run log.
+    """
+
+    cli_keys: set[str] = field(default_factory=set)
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -321,3 +337,11 @@ class JobConfig:
     validation: Validation = field(default_factory=Validation)
     comm: Comm = field(default_factory=Comm)
     debug: Debug = field(default_factory=Debug)
+    provenance: Provenance = field(
+        default_factory=Provenance, repr=False, compare=False, metadata={"section": False}
+    )
+
+
+def config_sections() -> tuple[str, ...]:
+    """The names of JobConfig's TOML sections, in order (`provenance` is not one)."""
+    return tuple(f.name for f in fields(JobConfig) if f.metadata.get("section", True))

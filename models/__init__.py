@@ -124,3 +124,17 @@ def model_args_for(model_cfg, seq_len: int, vocab_size: int | None = None):
     return build_model_args(
         model_cfg.name, model_cfg.flavor, seq_len, vocab_size, arg_overrides(model_cfg)
     )
+
+
+def meta_model_for(model_cfg, seq_len: int, vocab_size: int | None, error: type[Exception]):
+    """(spec, model args, the whole model on the meta device: shapes only) of a config's
+    `[model]` section; a flavor or shape that `model_args_for` refuses raises `error`."""
+    import torch
+
+    spec = get_model_spec(model_cfg.name)
+    try:
+        args = model_args_for(model_cfg, seq_len, vocab_size)
+    except ValueError as e:
+        raise error(str(e)) from None
+    with torch.device("meta"):
+        return spec, args, spec.model_cls(args)

@@ -117,27 +117,38 @@ class ParallelDims:
                 "Make the "
                 f"product {world_size}, or set data_parallel_shard_degree = -1."
             )
+        for problem in cls.combination_problems(dp_replicate, dp_shard, cp, ep, zero_stage):
+            problems.add(problem)
+        problems.raise_any()
+        return cls(dp_replicate, dp_shard, tp, pp, world_size, zero_stage, ep, cp)
+
+    @staticmethod
+    def combination_problems(
+        dp_replicate: int, dp_shard: int, cp: int, ep: int, zero_stage: int
+    ) -> list[str]:
+        """Which dimensions combine: HSDP is ZeRO-3 only, and the EP ranks come from the
+        data-parallel shard x CP ranks (dp_shard = -1: not resolved yet, not checked)."""
+        out = []
         if zero_stage < 3 and dp_replicate > 1:
-            problems.add(
+            out.append(
                 f"parallelism.zero_stage = {zero_stage} with data_parallel_replicate_degree = "
                 f"{dp_replicate}: HSDP (replicate x shard) is ZeRO-3 only. Use "
                 "data_parallel_shard_degree for ZeRO-0/1/2, or zero_stage = 3."
             )
         if ep > 1 and cp > 1 and ep % cp:
-            problems.add(
+            out.append(
                 f"parallelism.expert_parallel_degree = {ep} with context_parallel_degree = "
                 f"{cp}: the EP ranks are drawn from the data-parallel shard x CP ranks with all "
                 "CP ranks of a sequence in one EP group, so the EP degree must be a multiple of "
                 "the CP degree. Choose such an EP degree."
             )
         elif ep > 1 and dp_shard != -1 and (dp_shard * cp) % ep:
-            problems.add(
+            out.append(
                 f"parallelism.expert_parallel_degree = {ep} must divide the data-parallel shard "
                 f"degree {dp_shard} x context_parallel_degree {cp} (EP ranks are drawn from the "
                 "FSDP shard and CP ranks). Choose an EP degree that divides it, or more ranks."
             )
-        problems.raise_any()
-        return cls(dp_replicate, dp_shard, tp, pp, world_size, zero_stage, ep, cp)
+        return out
 
     @classmethod
     def from_parallelism(cls, parallelism, world_size: int) -> ParallelDims:
@@ -159,10 +170,32 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def dp_cp(self) -> int:
+        """The ranks holding other tokens of the same weights (data-parallel x CP): the degree
+        over which gradients are reduced and FSDP shards."""
+        return self.dp * self.cp
+
+    @property
     def data_parallel_enabled(self) -> bool:
         """Whether the weights have copies on ranks that see other tokens (data-parallel or
         CP ranks), so `apply_data_parallel` shards them and averages their gradients."""
-        return self.dp * self.cp > 1
+        return self.dp_cp > 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.data_parallel_enabled and self.zero_stage == 3
+
+    def batch_problems(self, global_batch: int, local_batch: int) -> list[str]:
+        """The global batch must be a whole number of local batches on every data-parallel
+        rank (-1: exactly one)."""
+        per_micro = local_batch * self.dp
+        if global_batch == -1 or global_batch % per_micro == 0:
+            return []
+        return [
+            f"training.global_batch_size = {global_batch} must be a multiple of "
+            f"local_batch_size ({local_batch}) x data-parallel degree ({self.dp}) = "
+            f"{per_micro}; the quotient is the number of gradient-accumulation steps."
+        ]
 
     @property
     def tp_enabled(self) -> bool:

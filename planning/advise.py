@@ -278,7 +278,7 @@ def replace_parallelism(cfg, **values):
         chosen.add("activation_checkpoint.mode")
     # chosen here as if on the command line: the config check then excuses the preset's values
     # that the new layout makes moot (a PP schedule under PP 1, an AC option with AC off)
-    cfg._cli_keys = getattr(cfg, "_cli_keys", set()) | chosen
+    cfg.provenance.cli_keys |= chosen  # cfg is a deep copy: the caller's set is untouched
     return cfg
 
 

@@ -63,7 +63,7 @@ def report(
     all_stages: bool = False,
 ) -> str:
     """The per-rank memory table of `cfg` on `world_size` ranks (real parallelize functions)."""
-    from train import check_config
+    from training.preflight import check_config
 
     check_config(cfg, world_size)
     spec = get_model_spec(cfg.model.name)

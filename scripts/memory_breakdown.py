@@ -44,7 +44,7 @@ def tracker_for(model, optimizer):
 
 def breakdown(cfg, world_size: int, local_rank: int) -> dict:
     """One warm-up and one tracked step of cfg's layout; this rank's peak by kind (bytes)."""
-    from train import check_config
+    from training.preflight import check_config
     from training.trainer import start_runtime
 
     dims = check_config(cfg, world_size)
@@ -129,7 +129,7 @@ def estimated_activations(cfg, world_size: int) -> int:
     activations, fused attention), to set beside the measured ones."""
     from models import get_model_spec, model_args_for
     from planning.memory import rank_activations
-    from train import check_config
+    from training.preflight import check_config
     from training.trainer import load_tokenizer
 
     dims = check_config(cfg, world_size)

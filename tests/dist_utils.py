@@ -81,6 +81,9 @@ class Run:
     def losses(self) -> dict[int, float]:
         return {r["step"]: r["loss"] for r in self.records()}
 
+    def param_counts(self) -> dict[str, int]:
+        return read_param_counts(self.folder)
+
     def check(self) -> Run:
         assert self.returncode == 0, f"run {self.name} failed ({self.returncode}):\n{self.output}"
         return self
@@ -90,6 +93,12 @@ def read_records(folder: Path, kind: str = "train") -> list[dict]:
     """Records of one kind ("train", "validation", "memory") from `<folder>/metrics.jsonl`."""
     lines = (Path(folder) / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r.get("kind") == kind]
+
+
+def read_param_counts(folder: Path) -> dict[str, int]:
+    """The whole model's parameter counts the run wrote to `<folder>/layout.json`: total and
+    non_embedding (for a mixture of experts also active and active_non_embedding)."""
+    return json.loads((Path(folder) / "layout.json").read_text())["parameters"]
 
 
 def _env() -> dict[str, str]:

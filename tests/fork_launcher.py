@@ -7,7 +7,7 @@ and the project (about 3 CPU-seconds a process, 4 processes for a 2-rank torchru
 request per line to its stdin: {"argv", "nproc", "env", "log"}. For each it forks a
 supervisor (answering its pid on stdout), which forks the ranks with the environment torchrun
 gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...), each running
-`train.main(argv)` with stdout and stderr in the run's log, and writes the run's exit status to
+`training.launch.run(argv)` (train.py's main) with stdout and stderr in the run's log, and writes the run's exit status to
 `<log>.rc` when all are done: torchrun's status (0, or 1 if any rank failed, the other ranks
 then stopped as torchrun stops them) or, for one process, `python train.py`'s own; followed by
 "crash RANK SIGNAL" when the first rank to fail was killed by a signal (a native crash, not a
@@ -37,10 +37,10 @@ import torch._inductor.config  # noqa: F401
 import torch.distributed.checkpoint  # noqa: F401
 import torch.distributed.pipelining  # noqa: F401
 
-import train
 import training.loop  # noqa: F401
 import training.trainer  # noqa: F401
 from checkpoint import manager  # noqa: F401
+from training.launch import run
 
 GRACE_S = 30  # after one rank fails, how long the others get before they are killed
 
@@ -52,7 +52,7 @@ def _free_port() -> int:
 
 
 def _rank(argv: list[str], env: dict[str, str], log: int) -> None:
-    """In a forked child: become one rank of the run and exit with train.main's status."""
+    """In a forked child: become one rank of the run and exit with train.py's status."""
     os.environ.update(env)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
@@ -63,7 +63,7 @@ def _rank(argv: list[str], env: dict[str, str], log: int) -> None:
     sys.argv = ["train.py", *argv]
     code = 1
     try:
-        code = train.main(argv)
+        code = run(argv)  # train.py's main less --help
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     except BaseException:

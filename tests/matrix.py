@@ -7,7 +7,7 @@ so a failure that needs two options together (the common case) shows up in ~40 r
 the full product would be millions. The greedy generator (AETG-style) is seeded, so a design is
 reproducible, and `./run_tests.sh --matrix SEED` draws and runs another one.
 
-Rows must be accepted by the real config check (`train.check_config`, in this process, no
+Rows must be accepted by the real config check (`training.preflight.check_config`, in this process, no
 process group): the generator asks it about every candidate row, so the design follows the
 check and never has to restate its rules. A pair of values that no accepted row can hold is a
 *refused pair*; `refused_pairs` reports each with the config check's message for the smallest
@@ -204,7 +204,7 @@ def refusal(row: Row) -> str:
 
     from job_config import ConfigError, parse_args
     from parallelisms.parallel_dims import ParallelismError
-    from train import check_config
+    from training.preflight import check_config
 
     try:
         cfg = parse_args(["--config", str(TINY_CONFIG), *launch_of(row).args])

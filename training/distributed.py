@@ -117,7 +117,7 @@ def record_error(error: BaseException) -> None:
     """Writes `error` to this rank's torchrun error file (TORCHELASTIC_ERROR_FILE; what
     torchrun's `record` decorator writes for an uncaught exception), so that torchrun's failure
     summary gives each failed rank's own error instead of "error_file: <N/A>". For errors
-    train.py catches and turns into an exit status; call it in their except block. Without
+    training.launch catches and turns into an exit status; call it in their except block. Without
     torchrun (no error file) it does nothing."""
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 

@@ -275,7 +275,7 @@ def stop_requested(run: Run, stop) -> bool:
 
 
 def train_loop(run: Run, stop) -> None:
-    """Steps until `training.steps` or an agreed stop request; `stop` is train.py's StopFlag."""
+    """Steps until `training.steps` or an agreed stop request; `stop`: training.launch's StopFlag."""
     cfg, state = run.cfg, run.state
     reset_peak_memory(run.device)
     logger.info("training from step %d to %d", state.step + 1, cfg.training.steps)

@@ -17,7 +17,7 @@ from data.dataloader import build_dataloader
 from data.sample_corpus import default_cache_dir
 from data.tokenizer import build_tokenizer
 from job_config import JobConfig
-from metrics import MetricsLogger, count_params, device_peak_flops, flops_per_token
+from metrics import MetricsLogger, device_peak_flops, flops_per_token
 from metrics.memory import process_rss_gib
 from models import get_model_spec, model_args_for
 from parallelisms.compile import key_compile_caches_to_rank, maybe_compile_loss
@@ -44,6 +44,7 @@ from training.loop import (
 )
 from training.loss import cross_entropy_sum
 from training.optimizer import build_lr_scheduler, build_optimizer
+from training.preflight import param_counts
 from training.profiling import MemorySnapshot, PhaseTimer, Profiler
 from training.step import StepSetup
 
@@ -158,29 +159,30 @@ def step_loss_fn(cfg: JobConfig, tokens_per_rank_step: int):
 
 def build_model(cfg, parallel_dims, model_args, device, loss_fn, rank):
     """This rank's model parts (see `build_model_parts`), with the layout they make logged
-    and written; and the whole model's parameter counts, all and without the embedding, taken
-    from the meta model before the pipeline split or sharding leaves a rank only its part."""
+    and written (layout.json, with the parameter counts); and the whole model's counts
+    (`ParamCounts`), taken from the meta model before the pipeline split or sharding leaves a
+    rank only its part."""
     model = meta_model(cfg, model_args)
-    routing = get_model_spec(cfg.model.name).routing
-    n_params = count_params(model)
-    # FLOPs per token count the parameters a token uses: an MoE token uses top_k experts.
-    n_no_emb = (
-        routing.active_params(model) if routing else count_params(model, exclude_embedding=True)
-    )
+    counts = param_counts(get_model_spec(cfg.model.name), model)
     built = build_model_parts(cfg, parallel_dims, model_args, device, loss_fn, model=model)
     layout = built_layout(built[0], parallel_dims, built[1])
+    layout["parameters"] = counts.as_dict()
     if rank == 0:
         write_layout(cfg.job.dump_folder, layout)
     logger.info(summarize(layout))
-    return built, n_params, n_no_emb
+    return built, counts
 
 
-def model_rates(cfg, model_args, n_params, n_no_emb, device, batches, dp_degree):
+def model_rates(cfg, model_args, counts, device, batches, dp_degree):
     """(FLOPs per token, device peak FLOP/s) for the MFU, logged with the model's size and
     the batch."""
     t = cfg.training
     fpt = flops_per_token(
-        n_no_emb, model_args.n_layers, model_args.n_heads, model_args.head_dim, t.seq_len
+        counts.flops_params,
+        model_args.n_layers,
+        model_args.n_heads,
+        model_args.head_dim,
+        t.seq_len,
     )
     compute_dtype = mixed_precision_dtypes(t, device.type)[0]
     peak, peak_src = device_peak_flops(device, compute_dtype, default_cache_dir())
@@ -189,7 +191,7 @@ def model_rates(cfg, model_args, n_params, n_no_emb, device, batches, dp_degree)
         "(%d x %d DP ranks x %d accumulation steps); peak %.1f TFLOP/s (%s)",
         cfg.model.name,
         cfg.model.flavor,
-        f"{n_params:,}",
+        f"{counts.total:,}",
         fpt / 1e9,
         batches.global_batch,
         t.local_batch_size,
@@ -332,8 +334,8 @@ def build_run(cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, local_r
     batches = batch_sizes(cfg, dp_degree, parallel_dims.cp)
     step_loss = step_loss_fn(cfg, batches.tokens_per_rank_step)
     rss_before_model = process_rss_gib() if device.type == "cpu" else None
-    built, n_params, n_no_emb = build_model(cfg, parallel_dims, model_args, device, step_loss, rank)
-    fpt, peak = model_rates(cfg, model_args, n_params, n_no_emb, device, batches, dp_degree)
+    built, counts = build_model(cfg, parallel_dims, model_args, device, step_loss, rank)
+    fpt, peak = model_rates(cfg, model_args, counts, device, batches, dp_degree)
     warn_if_warmup_too_long(cfg)
     train_loader, val_loader = build_loaders(cfg, tokenizer, dp_rank, dp_degree)
     model_parts = built[0]
@@ -384,7 +386,7 @@ def run_training(
     cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, local_rank: int, stop
 ) -> TrainState:
     """Builds the run and trains it; any failure inside the loop comes out as a `StepError`
-    (or `NonFiniteError`), after the teardown. `stop`: train.py's StopFlag."""
+    (or `NonFiniteError`), after the teardown. `stop`: training.launch's StopFlag."""
     run = build_run(cfg, parallel_dims, rank=rank, local_rank=local_rank)
     try:
         train_loop(run, stop)

@@ -180,7 +180,7 @@ def test_layout_matches_one_process(runs, name):
         assert torch.equal(weights["output.weight"], weights["tok_embeddings.weight"])
         # 4096 x 64 embeddings counted once + final norm 64 + 2 blocks x (wq 64x64, wk and wv
         # 64x32, wo 64x64, SwiGLU 3 x 64x256, 2 norms x 64) = 262,144 + 64 + 2 x 61,568
-        assert "model llama3 1B: 385,344 parameters" in run.output
+        assert run.param_counts()["total"] == 385_344
         return
     assert_parity(ref.folder, run.folder, TOLERANCE.get(name, FP32))
 
@@ -215,11 +215,8 @@ def test_compile_rerun_on_warm_cache(runs):
 
 
 def _psi(run: Run) -> int:
-    """Parameters of the tiny model, from the rank-0 log line of the run."""
-    for line in run.output.splitlines():
-        if "parameters," in line and "model llama3" in line:
-            return int(line.split("model llama3 debugmodel: ")[1].split(" ")[0].replace(",", ""))
-    raise AssertionError("no parameter count in the log:\n" + run.output)
+    """Parameters of the tiny model, from the run's layout.json."""
+    return run.param_counts()["total"]
 
 
 # Bytes per rank after a step, fp32 + Adam, N data-parallel ranks (ZeRO paper, section 5).

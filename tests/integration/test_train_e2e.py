@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from dist_utils import TINY_SHAPE
+from dist_utils import TINY_SHAPE, read_param_counts
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = [
@@ -103,7 +103,8 @@ def test_two_rank_run_learns_and_writes_every_output(tmp_path):
     dim, kv_dim, hidden, vocab = 64, 2 * 16, 256, 4096
     per_layer = 2 * dim * dim + 2 * dim * kv_dim + 3 * dim * hidden + 2 * dim  # + 2 norms
     n_params = vocab * dim + 2 * per_layer + dim + dim * vocab  # + final norm + output
-    assert f"model llama3 debugmodel: {n_params:,} parameters," in log0  # 647,488
+    assert read_param_counts(dump) == {"total": n_params, "non_embedding": n_params - vocab * dim}
+    assert n_params == 647_488
     assert (dump / "logs/rank_1.log").exists()
     resolved = (dump / "config.toml").read_text()
     assert "steps = 20" in resolved and "[parallelism]" in resolved
@@ -229,10 +230,11 @@ def test_failed_checkpoint_close_does_not_hide_the_training_error(tmp_path):
     # fails too (patched here): the error the user sees must be the training one.
     dump = tmp_path / "fail"
     boot = (
-        "import sys, train, checkpoint.manager as m\n"
+        "import sys, checkpoint.manager as m\n"
+        "from training.launch import run\n"
         "def close(self): raise OSError('close failed: disk gone')\n"
         "m.CheckpointManager.close = close\n"
-        "sys.exit(train.main(sys.argv[1:]))\n"
+        "sys.exit(run(sys.argv[1:]))\n"
     )
     cmd = [sys.executable, "-c", boot, *TINY, "--job.dump_folder", str(dump)]
     cmd += ["--training.steps", "4", "--validation.enable", "false", "--debug.fail_at_step", "3"]

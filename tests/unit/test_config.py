@@ -7,6 +7,7 @@ import pytest
 
 from job_config import ConfigError, JobConfig, config_notes, config_to_toml, help_text, parse_args
 from job_config.loader import CONFIGS_DIR
+from job_config.schema import config_sections
 from models import get_model_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -159,7 +160,7 @@ def test_resolved_config_round_trips(tmp_path):
 def test_help_lists_every_option_with_default():
     text = help_text()
     cfg = JobConfig()
-    for section in vars(cfg):
+    for section in config_sections():  # every section: the provenance is none
         for key, value in vars(getattr(cfg, section)).items():
             assert f"--{section}.{key} " in text
             assert f"default {value!r}" in text
@@ -289,6 +290,25 @@ def test_a_file_suffix_names_the_dataset_and_the_log_says_so(path, kind):
     assert (cfg.training.dataset, cfg.validation.dataset) == ("sample", kind)
 
 
+def test_provenance_is_a_typed_field_kept_out_of_the_toml_and_the_help():
+    given = ["--training.steps", "7", "--training.dataset_path", "a.txt"]
+    cfg = parse_args(["--config", "debug_model", *given, "--validation.enable", "false"])
+    assert cfg.provenance.cli_keys == {
+        "training.steps",
+        "training.dataset_path",
+        "validation.enable",
+    }
+    assert cfg.provenance.notes == config_notes(cfg) and len(config_notes(cfg)) == 1
+    assert "provenance" not in config_to_toml(cfg) and "provenance" not in help_text()
+    # == compares the options only: the same values given another way are the same config
+    same = parse_args(["--config", "debug_model", *given, "--training.dataset", "text",
+                       "--validation.enable", "false"])  # fmt: skip
+    assert same == cfg and same.provenance != cfg.provenance
+    assert JobConfig().provenance.cli_keys == set()  # built in code: nothing given
+    with pytest.raises(ConfigError, match="Unknown config section"):
+        parse_args(["--provenance.notes", "x"])
+
+
 def test_suffixes_match_the_data_readers():
     from data.sources import FILE_EXTENSIONS
     from job_config.checks import _SUFFIX_DATASETS
@@ -309,7 +329,7 @@ def test_several_errors_are_reported_in_one_numbered_message():
 
 
 def test_layout_errors_are_reported_together_with_the_config_errors():
-    from train import check_config
+    from training.preflight import check_config
 
     cfg = parse_args(["--config", "tests/tiny_model.toml", *PP2,
                       "--parallelism.pipeline_parallel_schedule", "Nope",
@@ -346,7 +366,7 @@ def test_layout_errors_are_reported_together_with_the_config_errors():
     ],
 )  # fmt: skip
 def test_options_the_layout_ignores_are_rejected(world, argv, expected):
-    from train import check_config
+    from training.preflight import check_config
 
     cfg = parse_args(["--config", "tests/tiny_model.toml", *argv])
     check_config(cfg, world_size=2 * world)  # a layout that uses them
@@ -357,7 +377,7 @@ def test_options_the_layout_ignores_are_rejected(world, argv, expected):
 def test_replicas_only_hsdp_is_fsdp_and_takes_its_options():
     """data_parallel_shard_degree 1 under replicas is still FSDP2 (HSDP on a (2, 1) mesh), so
     its FSDP options apply, and a tied flavor (one FSDP unit for the shared weight) passes."""
-    from train import check_config
+    from training.preflight import check_config
 
     for argv in (["--parallelism.fsdp_reshard_after_forward", "always"],
                  ["--model.name", "qwen3", "--model.flavor", "debugmodel"]):  # fmt: skip

@@ -259,12 +259,9 @@ def test_scale_cli_405b_on_2048_ranks_and_train_dry_run(capsys):
     assert "world=2048 pp=8 dp_replicate=1 dp_shard=32 tp=8" in out
     assert out.count(" fits") == 3  # first, second and last pipeline stage
 
-    import train
+    from training.launch import run
 
-    assert (
-        train.main(["--config", "llama3_8b", "--job.dry_run", "--job.simulate_world_size", "8"])
-        == 0
-    )
+    assert run(["--config", "llama3_8b", "--job.dry_run", "--job.simulate_world_size", "8"]) == 0
     out = capsys.readouterr().out
     assert "8,030,261,248" in out and "dp_shard=8" in out
     assert "     0     0     32      3.74      3.74      7.48" in out  # 16 B/param / 8

@@ -81,7 +81,7 @@ def test_tied_weights_survive_materialisation():
 def test_family_checks_run_with_the_config():
     from job_config import parse_args
     from parallelisms.decoder import decoder_problems
-    from train import check_config
+    from training.preflight import check_config
 
     base = ["--config", "debug_model", "--model.name", "qwen3", "--model.flavor", "debugmodel"]
     cfg = parse_args([*base, "--parallelism.pipeline_parallel_degree", "2",

@@ -230,7 +230,7 @@ def _ep_cp(ep: int, cp: int) -> list[str]:
     ],
 )
 def test_bad_moe_configs_are_refused_before_any_process_group(argv, world, message):
-    from train import check_config
+    from training.preflight import check_config
 
     cfg = parse_args(["--training.device", "cpu", *argv])
     with pytest.raises((ConfigError, ValueError), match=message):

@@ -185,10 +185,9 @@ def test_flavor_counts_equal_published(flavor):
 
 
 def test_dry_run_prints_total_and_active_counts(capsys):
-    import train
+    from training.launch import run
 
-    assert train.main(["--model.name", "qwen3_moe", "--model.flavor", "30B-A3B",
-                       "--job.dry_run"]) == 0  # fmt: skip
+    assert run(["--model.name", "qwen3_moe", "--model.flavor", "30B-A3B", "--job.dry_run"]) == 0
     out = capsys.readouterr().out
     assert "30,532,122,624 parameters (30.53B;" in out
     assert "3,353,032,704 active per token (3.35B; 3,041,867,776 without embeddings)" in out

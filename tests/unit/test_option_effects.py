@@ -38,13 +38,14 @@ import torch.distributed as dist
 from dist_utils import TINY_SHAPE, fake_world
 from torch.distributed.checkpoint import FileSystemReader
 
-import train
 from checkpoint.state import COMPONENTS
 from job_config import JobConfig, parse_args
+from job_config.schema import config_sections
 from models import model_args_for
 from parallelisms.context_parallel import sequence_inputs
 from parallelisms.layout_record import _rank_view
 from parallelisms.parallel_dims import ParallelDims
+from training.launch import prepare
 from training.loop import TrainState, is_log_step, maybe_inject_failure, optimizer_step
 from training.trainer import (
     batch_sizes,
@@ -412,7 +413,7 @@ def resumed(case: Case) -> tuple:
 
 
 def seed_checkpoint_or_dry_run(case: Case) -> tuple:
-    """`train.prepare` on the case's command line: (what it returned, what it printed, the
+    """`training.launch.prepare` on the case's command line: (what it returned, what it printed, the
     step folders it wrote); the logging it sets up is undone."""
     root = logging.getLogger("meshtrain")
     handlers, propagate = list(root.handlers), root.propagate
@@ -420,7 +421,7 @@ def seed_checkpoint_or_dry_run(case: Case) -> tuple:
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out):
-            launch = train.prepare(case.argv)
+            launch = prepare(case.argv)
     finally:
         root.handlers[:] = handlers
         root.propagate = propagate
@@ -733,9 +734,9 @@ LOGGING_ONLY: dict[str, str] = {
 
 def schema_options() -> set[str]:
     return {
-        f"{section.name}.{f.name}"
-        for section in dataclasses.fields(JobConfig)
-        for f in dataclasses.fields(section.default_factory())
+        f"{section}.{f.name}"
+        for section in config_sections()
+        for f in dataclasses.fields(getattr(JobConfig(), section))
     }
 
 

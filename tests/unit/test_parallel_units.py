@@ -16,8 +16,8 @@ from job_config import ConfigError, parse_args
 from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.parallel_dims import ParallelismError
 from scripts import loss_compare
-from train import check_config
 from training.loss import cross_entropy_sum
+from training.preflight import check_config
 
 # --- validation before any process group ------------------------------------------------------
 

@@ -22,7 +22,7 @@ from parallelisms.pipeline import (
     v_schedules_on_gloo,
     validate_pipeline_config,
 )
-from train import check_config
+from training.preflight import check_config
 
 SINGLE = ["GPipe", "1F1B"]
 MULTI = ["Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
