@@ -43,7 +43,7 @@ class Tolerance:
 # 4096 x 64 output-projection gradient is itself ~3e-5 off the float64 value; sharded layouts
 # sum smaller pieces), final weights 4.1e-5 element-wise (Adam turns a 1e-7 gradient
 # difference on a near-zero element into a visible step) and 5.3e-6 norm-wise. Kept at about
-# 45x / 2x / 5x / 10x that; the planted bugs of scripts/mutation_check.py move them by 1e-3.
+# 45x / 2x / 5x / 10x that; the planted bugs of tests/mutation/run.py move them by 1e-3.
 FP32 = Tolerance(loss=1e-5, grad_norm=1e-4, weights=2e-4, weights_norm=5e-5)
 # Qwen3: the fp32 tolerances, except element-wise on the final weights: Qwen3's embeddings
 # start at std 0.02 (Llama's at 1.0), so the same absolute noise is a larger share of the
@@ -59,7 +59,7 @@ QWEN3_FP32 = dataclasses.replace(FP32, weights=5e-3)
 # std-0.02 embeddings as Qwen3's; 1.3e-3 elsewhere), 3.2e-5 norm-wise.
 # One flip in the 20th step of EP 2 x FSDP 2 with the bias: loss 5.1e-6, grad norm 5.3e-5, the
 # layer's router 1.8e-4 norm-wise. Kept at about 4x / 2x / 4x / 5x that. The planted bugs of
-# scripts/mutation_check.py move the grad norm by 1e-3 or more from the first step.
+# tests/mutation/run.py move the grad norm by 1e-3 or more from the first step.
 MOE_FP32 = dataclasses.replace(FP32, loss=2e-5, grad_norm=3e-4, weights=2e-2, weights_norm=1e-3)
 # relative, per step, on the loads and the aux loss: measured 2e-6 without a flip; one
 # token's choice moves the load of its two experts by 1/64 (256 tokens x 2 over 8 experts)

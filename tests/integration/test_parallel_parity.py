@@ -9,7 +9,7 @@ layout it built. Runs that add a feature on top of a DP layout (AC modes, accumu
 offload, compile) check both at once.
 
 Only the runs that the selected tests need are launched (`pytest -k tp2` runs the reference
-and `tp2`), which is what lets `scripts/mutation_check.py` run one layout per planted bug.
+and `tp2`), which is what lets `tests/mutation/run.py` run one layout per planted bug.
 """
 
 from __future__ import annotations
