@@ -76,6 +76,40 @@ FP64 = Tolerance(loss=1e-10, grad_norm=1e-10, weights=1e-10, weights_norm=1e-10)
 EXACT = Tolerance(loss=0.0, grad_norm=0.0, weights=0.0, weights_norm=0.0)
 
 
+@dataclass(frozen=True)
+class Layout:
+    """One row of a parity table: `nproc` ranks of train.py with `args`, plain
+    `--section.key=value` overrides on top of the test file's common arguments, that must train
+    like the run `reference` within `tol`, and build the layout `args` ask for
+    (`expected_layout`). `after`: the run this one waits for (the saver of the checkpoint it
+    resumes from, or the run whose compile cache it finds warm)."""
+
+    id: str  # the pytest parameter id
+    nproc: int
+    args: tuple[str, ...] = ()
+    reference: str = "reference"
+    tol: Tolerance = FP32
+    after: str | None = None
+
+    def __post_init__(self):
+        plain = all(a.startswith("--") and "=" in a for a in self.args)
+        assert isinstance(self.args, tuple) and plain, f"{self.id}: not --section.key=value"
+
+
+def table(*rows: Layout) -> dict[str, Layout]:
+    """A test file's layouts by id, in the order given; every id once."""
+    out = {row.id: row for row in rows}
+    assert len(out) == len(rows), f"an id repeats in {[row.id for row in rows]}"
+    return out
+
+
+def links(*tables: dict[str, Layout]) -> tuple[dict[str, str], dict[str, str]]:
+    """What the rows need besides themselves, for `selected_runs`: {id: reference} and
+    {id: after}."""
+    rows = [row for rows in tables for row in rows.values()]
+    return {r.id: r.reference for r in rows}, {r.id: r.after for r in rows if r.after}
+
+
 def assert_series(ref: dict[int, float], got: dict[int, float], what: str, tol: float) -> float:
     """Every step of `ref` is in `got` within relative `tol`; returns the worst difference."""
     table, worst = compare({"reference": ref, "run": got})
@@ -157,19 +191,40 @@ def selected_runs(request, names, needs: dict, *depends: dict) -> set[str]:
         want |= more
 
 
-def family_runs(base: Path, want: set[str], common: list[str], references: dict, layouts: dict):
-    """The runs of `want`: one-process references (name: arguments) and layouts (name: (ranks,
-    arguments, reference)), each in `base / name` with the `common` arguments first."""
+def family_runs(
+    base: Path, want: set[str], common: list[str], references: dict, layouts: dict, **run
+) -> list[Run]:
+    """The runs of `want`: one-process references (name: arguments) and layouts (id: `Layout`),
+    each in `base / name` with the `common` arguments first; `run`: more `Run` fields for the
+    layouts (env)."""
     todo = [Run(n, base / n, 1, [*common, *a]) for n, a in references.items() if n in want]
-    todo += [Run(n, base / n, k, [*common, *a]) for n, (k, a, _) in layouts.items() if n in want]
+    todo += [
+        Run(n, base / n, row.nproc, [*common, *row.args], after=row.after, **run)
+        for n, row in layouts.items()
+        if n in want
+    ]
+    return todo
+
+
+def resumed_runs(base: Path, want: set[str], common: list[str], rows: dict) -> list[Run]:
+    """The runs of `want` among `rows` (id: `Layout`), each resumed from the step-10 checkpoint
+    of its `after` run (optimizer included) in `base / after`."""
+    todo = []
+    for n, row in rows.items():
+        if n in want:
+            saved = base / row.after / "checkpoint" / "step-10"
+            load = [f"--checkpoint.initial_load_path={saved}"]
+            load += ["--checkpoint.initial_load_model_only=false"]
+            todo.append(Run(n, base / n, row.nproc, [*common, *row.args, *load], after=row.after))
     return todo
 
 
 # --- the layout a run must have built -------------------------------------------------------
 
 
-def _options(args: list[str]) -> dict[str, str]:
-    """`--section.key value` pairs of a train.py command line (the last one wins)."""
+def options(args: list[str]) -> dict[str, str]:
+    """`--section.key value` and `--section.key=value` options of a train.py command line, by
+    `section.key` (the last one wins)."""
     out, i = {}, 0
     while i < len(args):
         key = args[i]
@@ -189,7 +244,7 @@ def _divides(index: int, every: int) -> bool:
 
 def expected_layout(nproc: int, args: list[str], n_layers: int = 2) -> dict:
     """What a run with these arguments must build, derived from the arguments alone."""
-    o = _options(args)
+    o = options(args)
     n_layers = int(o.get("model.n_layers", n_layers))
     tp = int(o.get("parallelism.tensor_parallel_degree", 1))
     pp = int(o.get("parallelism.pipeline_parallel_degree", 1))
@@ -300,9 +355,9 @@ def moe_local_blocks(nproc: int, args: list[str], n_layers: int) -> int | None:
     """Block weight elements per rank of the MoE debug flavor at the tiny width (dim 64): the
     attention matrices cut TP x shard times, the router and the experts (never TP-sharded) by
     the shard ranks only. None for the dense families, where `expected_layout`'s rule holds."""
-    if "qwen3_moe" not in args:
+    if "qwen3_moe" not in args and options(args).get("model.name") != "qwen3_moe":
         return None
-    o = _options(args)
+    o = options(args)
     tp = int(o.get("parallelism.tensor_parallel_degree", 1))
     shards = expected_layout(nproc, args, n_layers)["block_divisor"] // tp
     layers = n_layers // int(o.get("parallelism.pipeline_parallel_degree", 1))
