@@ -2,7 +2,7 @@
 # Whole test suite: bootstraps the pinned environment, checks lint/format, runs pytest.
 # Extra arguments go to pytest: ./run_tests.sh tests/unit runs the fast tier (no process
 # launch, well under 2 minutes) while developing; ./run_tests.sh -k config -x a subset.
-# ./run_tests.sh --mutants runs the mutation check instead (scripts/mutation_check.py).
+# ./run_tests.sh --mutants runs the mutation check instead (tests/mutation/run.py).
 # ./run_tests.sh --matrix SEED draws the combination matrix's all-pairs design with another
 # seed and runs it (tests/matrix.py; a table of every row at the end).
 set -euo pipefail
@@ -11,7 +11,7 @@ source "$ROOT/scripts/bootstrap_env.sh"
 cd "$ROOT"
 if [ "${1:-}" = "--mutants" ]; then
   shift
-  exec python scripts/mutation_check.py "$@"
+  exec python tests/mutation/run.py "$@"
 fi
 if [ "${1:-}" = "--matrix" ]; then
   SEED=${2:?usage: ./run_tests.sh --matrix SEED [pytest arguments]}

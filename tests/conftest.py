@@ -3,7 +3,7 @@ test fails the run.
 
 The packages are installed in editable mode, pointing at whichever checkout installed them;
 PYTHONPATH makes every `train.py`, torchrun worker and script the tests start import the
-packages of the tree under test (a clone, or scripts/mutation_check.py's mutated copy).
+packages of the tree under test (a clone, or tests/mutation/run.py's mutated copy).
 
 `./run_tests.sh` prints every skip with its reason in the short summary (`-ra` in
 pyproject.toml's addopts). That is enough on a laptop, where a missing GPU or package is a

@@ -43,7 +43,7 @@ class Tolerance:
 # 4096 x 64 output-projection gradient is itself ~3e-5 off the float64 value; sharded layouts
 # sum smaller pieces), final weights 4.1e-5 element-wise (Adam turns a 1e-7 gradient
 # difference on a near-zero element into a visible step) and 5.3e-6 norm-wise. Kept at about
-# 45x / 2x / 5x / 10x that; the planted bugs of scripts/mutation_check.py move them by 1e-3.
+# 45x / 2x / 5x / 10x that; the planted bugs of tests/mutation/run.py move them by 1e-3.
 FP32 = Tolerance(loss=1e-5, grad_norm=1e-4, weights=2e-4, weights_norm=5e-5)
 # Qwen3: the fp32 tolerances, except element-wise on the final weights: Qwen3's embeddings
 # start at std 0.02 (Llama's at 1.0), so the same absolute noise is a larger share of the
@@ -59,7 +59,7 @@ QWEN3_FP32 = dataclasses.replace(FP32, weights=5e-3)
 # std-0.02 embeddings as Qwen3's; 1.3e-3 elsewhere), 3.2e-5 norm-wise.
 # One flip in the 20th step of EP 2 x FSDP 2 with the bias: loss 5.1e-6, grad norm 5.3e-5, the
 # layer's router 1.8e-4 norm-wise. Kept at about 4x / 2x / 4x / 5x that. The planted bugs of
-# scripts/mutation_check.py move the grad norm by 1e-3 or more from the first step.
+# tests/mutation/run.py move the grad norm by 1e-3 or more from the first step.
 MOE_FP32 = dataclasses.replace(FP32, loss=2e-5, grad_norm=3e-4, weights=2e-2, weights_norm=1e-3)
 # relative, per step, on the loads and the aux loss: measured 2e-6 without a flip; one
 # token's choice moves the load of its two experts by 1/64 (256 tokens x 2 over 8 experts)
@@ -74,6 +74,40 @@ ROUTER_TOL = 2e-2
 FP64 = Tolerance(loss=1e-10, grad_norm=1e-10, weights=1e-10, weights_norm=1e-10)
 # Exact resume: the same layout continues bit for bit.
 EXACT = Tolerance(loss=0.0, grad_norm=0.0, weights=0.0, weights_norm=0.0)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One row of a parity table: `nproc` ranks of train.py with `args`, plain
+    `--section.key=value` overrides on top of the test file's common arguments, that must train
+    like the run `reference` within `tol`, and build the layout `args` ask for
+    (`expected_layout`). `after`: the run this one waits for (the saver of the checkpoint it
+    resumes from, or the run whose compile cache it finds warm)."""
+
+    id: str  # the pytest parameter id
+    nproc: int
+    args: tuple[str, ...] = ()
+    reference: str = "reference"
+    tol: Tolerance = FP32
+    after: str | None = None
+
+    def __post_init__(self):
+        plain = all(a.startswith("--") and "=" in a for a in self.args)
+        assert isinstance(self.args, tuple) and plain, f"{self.id}: not --section.key=value"
+
+
+def table(*rows: Layout) -> dict[str, Layout]:
+    """A test file's layouts by id, in the order given; every id once."""
+    out = {row.id: row for row in rows}
+    assert len(out) == len(rows), f"an id repeats in {[row.id for row in rows]}"
+    return out
+
+
+def links(*tables: dict[str, Layout]) -> tuple[dict[str, str], dict[str, str]]:
+    """What the rows need besides themselves, for `selected_runs`: {id: reference} and
+    {id: after}."""
+    rows = [row for rows in tables for row in rows.values()]
+    return {r.id: r.reference for r in rows}, {r.id: r.after for r in rows if r.after}
 
 
 def assert_series(ref: dict[int, float], got: dict[int, float], what: str, tol: float) -> float:
@@ -157,19 +191,40 @@ def selected_runs(request, names, needs: dict, *depends: dict) -> set[str]:
         want |= more
 
 
-def family_runs(base: Path, want: set[str], common: list[str], references: dict, layouts: dict):
-    """The runs of `want`: one-process references (name: arguments) and layouts (name: (ranks,
-    arguments, reference)), each in `base / name` with the `common` arguments first."""
+def family_runs(
+    base: Path, want: set[str], common: list[str], references: dict, layouts: dict, **run
+) -> list[Run]:
+    """The runs of `want`: one-process references (name: arguments) and layouts (id: `Layout`),
+    each in `base / name` with the `common` arguments first; `run`: more `Run` fields for the
+    layouts (env)."""
     todo = [Run(n, base / n, 1, [*common, *a]) for n, a in references.items() if n in want]
-    todo += [Run(n, base / n, k, [*common, *a]) for n, (k, a, _) in layouts.items() if n in want]
+    todo += [
+        Run(n, base / n, row.nproc, [*common, *row.args], after=row.after, **run)
+        for n, row in layouts.items()
+        if n in want
+    ]
+    return todo
+
+
+def resumed_runs(base: Path, want: set[str], common: list[str], rows: dict) -> list[Run]:
+    """The runs of `want` among `rows` (id: `Layout`), each resumed from the step-10 checkpoint
+    of its `after` run (optimizer included) in `base / after`."""
+    todo = []
+    for n, row in rows.items():
+        if n in want:
+            saved = base / row.after / "checkpoint" / "step-10"
+            load = [f"--checkpoint.initial_load_path={saved}"]
+            load += ["--checkpoint.initial_load_model_only=false"]
+            todo.append(Run(n, base / n, row.nproc, [*common, *row.args, *load], after=row.after))
     return todo
 
 
 # --- the layout a run must have built -------------------------------------------------------
 
 
-def _options(args: list[str]) -> dict[str, str]:
-    """`--section.key value` pairs of a train.py command line (the last one wins)."""
+def options(args: list[str]) -> dict[str, str]:
+    """`--section.key value` and `--section.key=value` options of a train.py command line, by
+    `section.key` (the last one wins)."""
     out, i = {}, 0
     while i < len(args):
         key = args[i]
@@ -189,7 +244,7 @@ def _divides(index: int, every: int) -> bool:
 
 def expected_layout(nproc: int, args: list[str], n_layers: int = 2) -> dict:
     """What a run with these arguments must build, derived from the arguments alone."""
-    o = _options(args)
+    o = options(args)
     n_layers = int(o.get("model.n_layers", n_layers))
     tp = int(o.get("parallelism.tensor_parallel_degree", 1))
     pp = int(o.get("parallelism.pipeline_parallel_degree", 1))
@@ -300,9 +355,9 @@ def moe_local_blocks(nproc: int, args: list[str], n_layers: int) -> int | None:
     """Block weight elements per rank of the MoE debug flavor at the tiny width (dim 64): the
     attention matrices cut TP x shard times, the router and the experts (never TP-sharded) by
     the shard ranks only. None for the dense families, where `expected_layout`'s rule holds."""
-    if "qwen3_moe" not in args:
+    if "qwen3_moe" not in args and options(args).get("model.name") != "qwen3_moe":
         return None
-    o = _options(args)
+    o = options(args)
     tp = int(o.get("parallelism.tensor_parallel_degree", 1))
     shards = expected_layout(nproc, args, n_layers)["block_divisor"] // tp
     layers = n_layers // int(o.get("parallelism.pipeline_parallel_degree", 1))

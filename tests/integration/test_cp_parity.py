@@ -18,7 +18,7 @@ from the plain one (documents end inside the 32-token windows of the sample corp
 from __future__ import annotations
 
 import pytest
-from dist_utils import Run, launch_many
+from dist_utils import launch_many
 from parity import (
     CHECKPOINT_ARGS,
     EXACT,
@@ -26,78 +26,77 @@ from parity import (
     MOE_FP32,
     QWEN3_FP32,
     STEPS,
+    Layout,
     assert_layout,
     assert_parity,
     assert_router_parity,
+    family_runs,
     final_weights,
+    links,
+    resumed_runs,
     selected_runs,
+    table,
     weight_diff,
 )
 
-FAMILIES = {
-    "llama": [],
-    "qwen3": ["--model.name", "qwen3", "--model.flavor", "debugmodel_untied"],
-}
-TOLERANCE = {"llama": FP32, "qwen3": QWEN3_FP32}
-DOC = ["--training.document_mask", "true"]
-LB, GB = "--training.local_batch_size", "--training.global_batch_size"
-TP2 = ["--parallelism.tensor_parallel_degree", "2"]
-PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
-       "1F1B", "--parallelism.pipeline_parallel_microbatch_size", "2"]  # fmt: skip
-AC_FULL = ["--activation_checkpoint.mode", "full"]
-COMPILE = ["--compile.enable", "true"]
+QWEN3 = ("--model.name=qwen3", "--model.flavor=debugmodel_untied")
+MOE = ("--model.name=qwen3_moe", "--model.flavor=debugmodel", "--model.moe_aux_loss_coeff=0.01", "--optimizer.lr=1e-3")  # fmt: skip
+DOC = "--training.document_mask=true"
 
-
-def cp(n: int) -> list[str]:
-    return ["--parallelism.context_parallel_degree", str(n)]
-
-
-# layout: (ranks, arguments); global batch 8 sequences everywhere
-SHAPES = {
-    "cp2": (2, cp(2)),
-    "cp4_accum": (4, [*cp(4), LB, "4", GB, "8"]),
-    "cp2_fsdp2_ac": (4, [*cp(2), LB, "4", *AC_FULL]),
-    "cp2_tp2": (4, [*cp(2), *TP2]),
-    "cp2_pp2": (4, [*cp(2), *PP2]),
-}
-# name -> (ranks, arguments, reference): every family and shape, with and without document
-# masking (plain CP attends chunk by chunk without a mask, document masking through one)
-LAYOUTS = {
-    f"{family}_{shape}{doc}": (n, [*FAMILIES[family], *args, *(DOC if doc else [])], family + doc)
-    for family in FAMILIES
-    for shape, (n, args) in SHAPES.items()
-    for doc in ("", "_doc")
-}
-LAYOUTS["qwen3_cp2"][1].extend(COMPILE)  # 2 ranks compile: half the gcc work of 4
-# ZeRO 0-2 average the gradients (and ZeRO-1/2 shard the masters) over the CP ranks too
-ZERO = "--parallelism.zero_stage"
-LAYOUTS["llama_cp2_zero1"] = (2, [*cp(2), ZERO, "1"], "llama")
-LAYOUTS["llama_cp2_zero2_doc"] = (4, [*cp(2), ZERO, "2", LB, "4", *DOC], "llama_doc")
-MOE = ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel",
-       "--model.moe_aux_loss_coeff", "0.01", "--optimizer.lr", "1e-3"]  # fmt: skip
-LAYOUTS["moe_cp2_doc"] = (2, [*MOE, *cp(2), *DOC], "moe_doc")
-# Every feature at once on 4 ranks: PP x CP, compile (the MoE blocks' attention, so the K/V
-# gathers run in a compiled region inside an eager per-op checkpoint) and per-op AC. The
-# load-balancing loss is off (under PP it is taken over a pipeline microbatch, not the
-# reference's batch); the per-token z-loss instead.
-Z_LOSS = ["--model.moe_aux_loss_coeff", "0", "--model.moe_z_loss_coeff", "0.001"]
-AC_OP = ["--activation_checkpoint.mode", "selective",
-         "--activation_checkpoint.selective_ac_option", "op"]  # fmt: skip
-LAYOUTS["moe_cp2_pp2_compile_ac_op"] = (4, [*MOE, *Z_LOSS, *cp(2), *PP2, *COMPILE, *AC_OP],
-                                        "moe_z")  # fmt: skip
-# EP 2 drawn from the CP ranks (every CP pair one EP group), the experts FSDP-sharded over the
-# 2 data-parallel ranks: their gradients divided by dp x cp, as the dense weights'
-EP2 = ["--parallelism.expert_parallel_degree", "2"]
-LAYOUTS["moe_ep2_cp2_doc"] = (4, [*MOE, *cp(2), *EP2, LB, "4", *DOC], "moe_doc")
-REFERENCES = {f"{f}{d}": [*args, *(DOC if d else [])] for f, args in FAMILIES.items()
-              for d in ("", "_doc")}  # fmt: skip
-REFERENCES["moe_doc"] = [*MOE, *DOC]
-REFERENCES["moe_z"] = [*MOE, *Z_LOSS]
-# resumed from llama_cp2_doc's step-10 checkpoint: name -> (ranks, layout arguments)
+# Global batch 8 sequences everywhere. Every family and shape with and without document
+# masking ("_doc"; plain CP attends chunk by chunk without a mask, document masking through
+# one), against the one-process run of the family and masking.
+# fmt: off
+LAYOUTS = table(
+    Layout("llama_cp2", 2, ("--parallelism.context_parallel_degree=2",), "llama", FP32),
+    Layout("llama_cp2_doc", 2, ("--parallelism.context_parallel_degree=2", "--training.document_mask=true"), "llama_doc", FP32),
+    Layout("llama_cp4_accum", 4, ("--parallelism.context_parallel_degree=4", "--training.local_batch_size=4", "--training.global_batch_size=8"), "llama", FP32),
+    Layout("llama_cp4_accum_doc", 4, ("--parallelism.context_parallel_degree=4", "--training.local_batch_size=4", "--training.global_batch_size=8", "--training.document_mask=true"), "llama_doc", FP32),
+    Layout("llama_cp2_fsdp2_ac", 4, ("--parallelism.context_parallel_degree=2", "--training.local_batch_size=4", "--activation_checkpoint.mode=full"), "llama", FP32),
+    Layout("llama_cp2_fsdp2_ac_doc", 4, ("--parallelism.context_parallel_degree=2", "--training.local_batch_size=4", "--activation_checkpoint.mode=full", "--training.document_mask=true"), "llama_doc", FP32),
+    Layout("llama_cp2_tp2", 4, ("--parallelism.context_parallel_degree=2", "--parallelism.tensor_parallel_degree=2"), "llama", FP32),
+    Layout("llama_cp2_tp2_doc", 4, ("--parallelism.context_parallel_degree=2", "--parallelism.tensor_parallel_degree=2", "--training.document_mask=true"), "llama_doc", FP32),
+    Layout("llama_cp2_pp2", 4, ("--parallelism.context_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2"), "llama", FP32),
+    Layout("llama_cp2_pp2_doc", 4, ("--parallelism.context_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2", "--training.document_mask=true"), "llama_doc", FP32),
+    # 2 ranks compile: half the gcc work of 4
+    Layout("qwen3_cp2", 2, (*QWEN3, "--parallelism.context_parallel_degree=2", "--compile.enable=true"), "qwen3", QWEN3_FP32),
+    Layout("qwen3_cp2_doc", 2, (*QWEN3, "--parallelism.context_parallel_degree=2", "--training.document_mask=true"), "qwen3_doc", QWEN3_FP32),
+    Layout("qwen3_cp4_accum", 4, (*QWEN3, "--parallelism.context_parallel_degree=4", "--training.local_batch_size=4", "--training.global_batch_size=8"), "qwen3", QWEN3_FP32),
+    Layout("qwen3_cp4_accum_doc", 4, (*QWEN3, "--parallelism.context_parallel_degree=4", "--training.local_batch_size=4", "--training.global_batch_size=8", "--training.document_mask=true"), "qwen3_doc", QWEN3_FP32),
+    Layout("qwen3_cp2_fsdp2_ac", 4, (*QWEN3, "--parallelism.context_parallel_degree=2", "--training.local_batch_size=4", "--activation_checkpoint.mode=full"), "qwen3", QWEN3_FP32),
+    Layout("qwen3_cp2_fsdp2_ac_doc", 4, (*QWEN3, "--parallelism.context_parallel_degree=2", "--training.local_batch_size=4", "--activation_checkpoint.mode=full", "--training.document_mask=true"), "qwen3_doc", QWEN3_FP32),
+    Layout("qwen3_cp2_tp2", 4, (*QWEN3, "--parallelism.context_parallel_degree=2", "--parallelism.tensor_parallel_degree=2"), "qwen3", QWEN3_FP32),
+    Layout("qwen3_cp2_tp2_doc", 4, (*QWEN3, "--parallelism.context_parallel_degree=2", "--parallelism.tensor_parallel_degree=2", "--training.document_mask=true"), "qwen3_doc", QWEN3_FP32),
+    Layout("qwen3_cp2_pp2", 4, (*QWEN3, "--parallelism.context_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2"), "qwen3", QWEN3_FP32),
+    Layout("qwen3_cp2_pp2_doc", 4, (*QWEN3, "--parallelism.context_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2", "--training.document_mask=true"), "qwen3_doc", QWEN3_FP32),
+    # ZeRO 0-2 average the gradients (and ZeRO-1/2 shard the masters) over the CP ranks too
+    Layout("llama_cp2_zero1", 2, ("--parallelism.context_parallel_degree=2", "--parallelism.zero_stage=1"), "llama", FP32),
+    Layout("llama_cp2_zero2_doc", 4, ("--parallelism.context_parallel_degree=2", "--parallelism.zero_stage=2", "--training.local_batch_size=4", DOC), "llama_doc", FP32),
+    Layout("moe_cp2_doc", 2, (*MOE, "--parallelism.context_parallel_degree=2", DOC), "moe_doc", MOE_FP32),
+    # Every feature at once on 4 ranks: PP x CP, compile (the MoE blocks' attention, so the K/V
+    # gathers run in a compiled region inside an eager per-op checkpoint) and per-op AC. The
+    # load-balancing loss is off (under PP it is taken over a pipeline microbatch, not the
+    # reference's batch); the per-token z-loss instead.
+    Layout("moe_cp2_pp2_compile_ac_op", 4, (*MOE, "--model.moe_aux_loss_coeff=0", "--model.moe_z_loss_coeff=0.001", "--parallelism.context_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2", "--compile.enable=true", "--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op"), "moe_z", MOE_FP32),
+    # EP 2 drawn from the CP ranks (every CP pair one EP group), the experts FSDP-sharded over
+    # the 2 data-parallel ranks: their gradients divided by dp x cp, as the dense weights'
+    Layout("moe_ep2_cp2_doc", 4, (*MOE, "--parallelism.context_parallel_degree=2", "--parallelism.expert_parallel_degree=2", "--training.local_batch_size=4", DOC), "moe_doc", MOE_FP32),
+)
+# resumed from llama_cp2_doc's step-10 checkpoint: the same layout continues exactly, and
+# resharded to one process like the one-process run
 SAVER = "llama_cp2_doc"
-RESUMED = {
-    "llama_cp2_doc_resumed": (2, LAYOUTS[SAVER][1]),  # the same layout: exact
-    "llama_cp2_doc_to_cp1": (1, DOC),  # resharded to one process
+RESUMED = table(
+    Layout("llama_cp2_doc_resumed", 2, LAYOUTS[SAVER].args, SAVER, EXACT, after=SAVER),
+    Layout("llama_cp2_doc_to_cp1", 1, (DOC,), "llama_doc", FP32, after=SAVER),
+)
+# fmt: on
+REFERENCES = {
+    "llama": (),
+    "llama_doc": (DOC,),
+    "qwen3": QWEN3,
+    "qwen3_doc": (*QWEN3, DOC),
+    "moe_doc": (*MOE, DOC),
+    "moe_z": (*MOE, "--model.moe_aux_loss_coeff=0", "--model.moe_z_loss_coeff=0.001"),
 }
 COMMON = ["--training.steps", str(STEPS), *CHECKPOINT_ARGS]
 
@@ -105,42 +104,32 @@ COMMON = ["--training.steps", str(STEPS), *CHECKPOINT_ARGS]
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory):
     base = tmp_path_factory.mktemp("cp_parity")
-    refs = {name: ref for name, (_, _, ref) in LAYOUTS.items()}
-    refs |= {name: SAVER for name in RESUMED}
     needs = {
         "test_resume_and_reshard_cp": [*RESUMED, "llama_doc"],
         "test_document_mask_changes_training": ["llama", "llama_doc"],
     }
-    want = selected_runs(request, LAYOUTS, needs, refs, {SAVER: "llama_doc"})
+    want = selected_runs(request, LAYOUTS, needs, *links(LAYOUTS, RESUMED))
     env = {"TORCHINDUCTOR_CACHE_DIR": str(base / "inductor_cache")}  # see test_parallel_parity
-    todo = [Run(n, base / n, 1, COMMON + a) for n, a in REFERENCES.items() if n in want]
-    todo += [
-        Run(n, base / n, k, COMMON + a, env=env) for n, (k, a, _) in LAYOUTS.items() if n in want
-    ]
-    load = ["--checkpoint.initial_load_path", str(base / SAVER / "checkpoint" / "step-10")]
-    load += ["--checkpoint.initial_load_model_only", "false"]
-    todo += [
-        Run(n, base / n, k, COMMON + a + load, after=SAVER)
-        for n, (k, a) in RESUMED.items()
-        if n in want
-    ]
+    todo = family_runs(base, want, COMMON, REFERENCES, LAYOUTS, env=env)
+    todo += resumed_runs(base, want, COMMON, RESUMED)
     todo.sort(key=lambda r: ("compile" not in " ".join(r.args), -r.nproc))
     return launch_many(todo, parallel=2)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_cp_layout_matches_one_process(runs, name):
-    run, ref = runs[name].check(), runs[LAYOUTS[name][2]].check()
+    row = LAYOUTS[name]
+    run, ref = runs[name].check(), runs[row.reference].check()
     # no TP: FSDP (and EP x FSDP) cut every block matrix dp_shard x cp times
     layout = assert_layout(run.folder, run.nproc, run.args)
     if name.startswith("moe"):  # and the expert loads of the global micro-batch, every step
         if "ep2" in name:  # every block's w1, w2, w3 sharded on the expert dimension over "ep"
             for r in layout["ranks"]:
                 assert r["placements"]["ep"] == {"Shard(0)": 6}, r["placements"]
-        assert_parity(ref.folder, run.folder, MOE_FP32)
+        assert_parity(ref.folder, run.folder, row.tol)
         assert_router_parity(ref.folder, run.folder)
     else:
-        assert_parity(ref.folder, run.folder, TOLERANCE[name.split("_")[0]])
+        assert_parity(ref.folder, run.folder, row.tol)
 
 
 def test_document_mask_changes_training(runs):
@@ -153,12 +142,9 @@ def test_document_mask_changes_training(runs):
 def test_resume_and_reshard_cp(runs):
     """The CP 2 step-10 checkpoint continues bit for bit at CP 2, and within the parity
     tolerances in one process (CP 1), data position included."""
-    saver, ref = runs[SAVER].check(), runs["llama_doc"].check()
-    for name, (nproc, _) in RESUMED.items():
-        run = runs[name].check()
-        assert "checkpoint: loaded" in run.output, name
-        assert sorted(run.losses()) == list(range(11, STEPS + 1)), name
-        assert_layout(run.folder, nproc, run.args)
-        exact = name.endswith("_resumed")
-        assert_parity(saver.folder if exact else ref.folder, run.folder, EXACT if exact else FP32,
-                      first=11)  # fmt: skip
+    for row in RESUMED.values():
+        run, ref = runs[row.id].check(), runs[row.reference].check()
+        assert "checkpoint: loaded" in run.output, row.id
+        assert sorted(run.losses()) == list(range(11, STEPS + 1)), row.id
+        assert_layout(run.folder, row.nproc, run.args)
+        assert_parity(ref.folder, run.folder, row.tol, first=11)

@@ -22,68 +22,60 @@ from dist_utils import launch_many
 from parity import (
     CHECKPOINT_ARGS,
     FP64,
+    Layout,
     assert_layout,
     assert_parity,
     assert_router_parity,
     family_runs,
     final_weights,
+    links,
     moe_local_blocks,
     selected_runs,
+    table,
 )
 
 STEPS = 8  # the checkpoint of the last step holds the final weights
 COMMON = ["--training.steps", str(STEPS), *CHECKPOINT_ARGS,
           "--training.mixed_precision_param", "float64"]  # fmt: skip
-LB, GB = ["--training.local_batch_size"], ["--training.global_batch_size"]
-TP2 = ["--parallelism.tensor_parallel_degree", "2"]
-PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
-       "1F1B", "--parallelism.pipeline_parallel_microbatch_size", "2"]  # fmt: skip
-CP2 = ["--parallelism.context_parallel_degree", "2"]
-EP2 = ["--parallelism.expert_parallel_degree", "2"]
-ZERO0 = ["--parallelism.zero_stage", "0"]
-MOE = ["--model.name", "qwen3_moe", "--optimizer.lr", "1e-3"]  # lr: see test_moe_parity.py
+MOE = ("--model.name=qwen3_moe", "--optimizer.lr=1e-3")  # lr: see test_moe_parity.py
 # PP splits a rank's batch into microbatches, each with its own load-balancing loss, so the
 # PP run and its reference use the per-token z-loss and the bias balancing instead
-Z_BIAS = ["--model.moe_aux_loss_coeff", "0", "--model.moe_z_loss_coeff", "0.001",
-          "--model.moe_bias_update_rate", "0.001"]  # fmt: skip
+Z_BIAS = ("--model.moe_aux_loss_coeff=0", "--model.moe_z_loss_coeff=0.001", "--model.moe_bias_update_rate=0.001")  # fmt: skip
 
 # reference (one process): arguments
 REFERENCES = {
-    "llama": [],
-    "qwen3": ["--model.name", "qwen3"],  # tied embeddings, QK-norm
-    "moe": [*MOE, "--model.moe_aux_loss_coeff", "0.01"],
-    "moe_z_bias": [*MOE, *Z_BIAS],
+    "llama": (),
+    "qwen3": ("--model.name=qwen3",),  # tied embeddings, QK-norm
+    "moe": (*MOE, "--model.moe_aux_loss_coeff=0.01"),
+    "moe_z_bias": (*MOE, *Z_BIAS),
 }
+LLAMA, QWEN3 = REFERENCES["llama"], REFERENCES["qwen3"]
+MOE_AUX, MOE_Z_BIAS = REFERENCES["moe"], REFERENCES["moe_z_bias"]
 
-
-def on(ref: str, ranks: int, *layout: str) -> tuple[int, list[str], str]:
-    """A layout of `ref`'s model and options: (ranks, arguments, reference)."""
-    return ranks, [*REFERENCES[ref], *layout], ref
-
-
-# name: (ranks, arguments, reference); global batch 8 sequences everywhere
-LAYOUTS = {
-    "llama_fsdp2": on("llama", 2, *LB, "4"),
-    "llama_zero2_accum": on("llama", 2, "--parallelism.zero_stage", "2", *LB, "2", *GB, "8"),
-    "llama_tp2_fsdp2": on("llama", 4, *TP2, *LB, "4"),
-    "llama_pp2": on("llama", 2, *PP2),
-    "llama_cp2": on("llama", 2, *CP2),
-    "qwen3_fsdp2": on("qwen3", 2, *LB, "4"),
-    "qwen3_tp2": on("qwen3", 2, *TP2),
-    "moe_ep2": on("moe", 2, *EP2, *LB, "4"),
-    "moe_ep2_pp2": on("moe_z_bias", 4, *EP2, *PP2, *LB, "4"),
+# A layout of each reference's model and options; global batch 8 sequences everywhere
+# fmt: off
+LAYOUTS = table(
+    Layout("llama_fsdp2", 2, (*LLAMA, "--training.local_batch_size=4"), "llama", FP64),
+    Layout("llama_zero2_accum", 2, (*LLAMA, "--parallelism.zero_stage=2", "--training.local_batch_size=2", "--training.global_batch_size=8"), "llama", FP64),
+    Layout("llama_tp2_fsdp2", 4, (*LLAMA, "--parallelism.tensor_parallel_degree=2", "--training.local_batch_size=4"), "llama", FP64),
+    Layout("llama_pp2", 2, (*LLAMA, "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2"), "llama", FP64),
+    Layout("llama_cp2", 2, (*LLAMA, "--parallelism.context_parallel_degree=2"), "llama", FP64),
+    Layout("qwen3_fsdp2", 2, (*QWEN3, "--training.local_batch_size=4"), "qwen3", FP64),
+    Layout("qwen3_tp2", 2, (*QWEN3, "--parallelism.tensor_parallel_degree=2"), "qwen3", FP64),
+    Layout("moe_ep2", 2, (*MOE_AUX, "--parallelism.expert_parallel_degree=2", "--training.local_batch_size=4"), "moe", FP64),
+    Layout("moe_ep2_pp2", 4, (*MOE_Z_BIAS, "--parallelism.expert_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2", "--training.local_batch_size=4"), "moe_z_bias", FP64),
     # DDP's experts average over fewer ranks than they divide by (EP ranks hold the sum over
     # the EP group's tokens): reduced once per step, after accumulation or the schedule
-    "moe_ep2_ddp_accum": on("moe_z_bias", 2, *EP2, *ZERO0, *LB, "2", *GB, "8"),
-    "moe_ep2_pp2_ddp": on("moe_z_bias", 4, *EP2, *PP2, *ZERO0, *LB, "4"),
-}
+    Layout("moe_ep2_ddp_accum", 2, (*MOE_Z_BIAS, "--parallelism.expert_parallel_degree=2", "--parallelism.zero_stage=0", "--training.local_batch_size=2", "--training.global_batch_size=8"), "moe_z_bias", FP64),
+    Layout("moe_ep2_pp2_ddp", 4, (*MOE_Z_BIAS, "--parallelism.expert_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2", "--parallelism.zero_stage=0", "--training.local_batch_size=4"), "moe_z_bias", FP64),
+)
+# fmt: on
 
 
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory):
     base = tmp_path_factory.mktemp("fp64_parity")
-    refs = {name: ref for name, (_, _, ref) in LAYOUTS.items()}
-    want = selected_runs(request, LAYOUTS, {}, refs)
+    want = selected_runs(request, LAYOUTS, {}, *links(LAYOUTS))
     widest_first = sorted(
         family_runs(base, want, COMMON, REFERENCES, LAYOUTS), key=lambda r: -r.nproc
     )
@@ -92,12 +84,12 @@ def runs(request, tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_fp64_layout_matches_one_process(runs, name):
-    ranks, _, reference = LAYOUTS[name]
-    run, ref = runs[name].check(), runs[reference].check()
+    row = LAYOUTS[name]
+    ranks, run, ref = row.nproc, runs[name].check(), runs[row.reference].check()
     assert_layout(run.folder, ranks, run.args, 2, moe_local_blocks(ranks, run.args, 2))
     weights = final_weights(run.folder, STEPS)
     assert {w.dtype for w in weights.values()} == {torch.float64}, "not float64 weights"
-    worst = assert_parity(ref.folder, run.folder, FP64, step=STEPS)
+    worst = assert_parity(ref.folder, run.folder, row.tol, step=STEPS)
     if name.startswith("moe"):  # no tie flips: the same tokens per expert at every step
         assert_router_parity(ref.folder, run.folder, tol=FP64.loss)
     print(

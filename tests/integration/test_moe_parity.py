@@ -11,72 +11,65 @@ count moves the weights visibly); the bias balancing and the z-loss are on where
 from __future__ import annotations
 
 import pytest
-from dist_utils import Run, launch_many, read_records
+from dist_utils import launch_many, read_records
 from parity import (
     CHECKPOINT_ARGS,
     EXACT,
     MOE_FP32,
     STEPS,
+    Layout,
     assert_layout,
     assert_parity,
     assert_router_parity,
+    family_runs,
+    links,
+    options,
+    resumed_runs,
     selected_runs,
+    table,
 )
 
 TOL = MOE_FP32  # measured: see tests/parity.py
 
 MOE = ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel",
        "--model.moe_aux_loss_coeff", "0.01"]  # fmt: skip
-BIAS = ["--model.moe_bias_update_rate", "0.001"]
-Z_ONLY = ["--model.moe_aux_loss_coeff", "0", "--model.moe_z_loss_coeff", "0.001", *BIAS]
+BIAS = ("--model.moe_bias_update_rate=0.001",)
+Z_ONLY = ("--model.moe_aux_loss_coeff=0", "--model.moe_z_loss_coeff=0.001", *BIAS)
 # lr 1e-3, not the dense tests' 3e-3: at 3e-3 the tiny model's loss spikes (grad norm 4-5 near
 # step 18) and a token whose top-2 choice is a near tie flips expert on a 1e-7 difference,
 # which the spike then amplifies past every tolerance (measured: 6e-4 in the grad norm); at 1e-3
 # the loss still falls by 0.9 in 20 steps.
 COMMON = ["--training.steps", str(STEPS), "--optimizer.lr", "1e-3", *CHECKPOINT_ARGS, *MOE]
-LB = ["--training.local_batch_size"]
-ZERO = ["--parallelism.zero_stage"]
 
-
-def ep(n: int) -> list[str]:
-    return ["--parallelism.expert_parallel_degree", str(n)]
-
-
-TP2 = ["--parallelism.tensor_parallel_degree", "2"]
-PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--model.n_layers", "4",
-       "--parallelism.pipeline_parallel_schedule", "1F1B",
-       "--parallelism.pipeline_parallel_microbatch_size", "2"]  # fmt: skip
-AC = ["--activation_checkpoint.mode", "full"]
-SAC_OP = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
-          "op"]  # fmt: skip
-
-# name: (ranks, arguments, reference)
-LAYOUTS = {
-    "ep2": (2, [*ep(2), *LB, "4"], "aux"),
-    "ep2_fsdp2_bias": (4, [*ep(2), *BIAS, *LB, "2"], "aux_bias"),
-    "ep4_ac": (4, [*ep(4), *AC, *LB, "2"], "aux"),
+# fmt: off
+LAYOUTS = table(
+    Layout("ep2", 2, ("--parallelism.expert_parallel_degree=2", "--training.local_batch_size=4"), "aux", TOL),
+    Layout("ep2_fsdp2_bias", 4, ("--parallelism.expert_parallel_degree=2", *BIAS, "--training.local_batch_size=2"), "aux_bias", TOL),
+    Layout("ep4_ac", 4, ("--parallelism.expert_parallel_degree=4", "--activation_checkpoint.mode=full", "--training.local_batch_size=2"), "aux", TOL),
     # per-op AC around blocks whose experts are an FSDP unit of their own (hooks in the region)
-    "ep2_sac_op": (2, [*ep(2), *SAC_OP, *LB, "4"], "aux"),
+    Layout("ep2_sac_op", 2, ("--parallelism.expert_parallel_degree=2", "--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op", "--training.local_batch_size=4"), "aux", TOL),
     # attention compiled (the MoE layer's routing runs eager: data-dependent shapes)
-    "ep2_tp2_compile": (4, [*ep(2), *TP2, "--compile.enable", "true", *LB, "4"], "aux"),
+    Layout("ep2_tp2_compile", 4, ("--parallelism.expert_parallel_degree=2", "--parallelism.tensor_parallel_degree=2", "--compile.enable=true", "--training.local_batch_size=4"), "aux", TOL),
     # PP splits each rank's batch into microbatches, so the load-balancing loss (over each
     # microbatch) would differ from one process's: the per-token z-loss and the bias instead
-    "ep2_pp2_z_bias": (4, [*ep(2), *PP2, *Z_ONLY, *LB, "4"], "z_bias_4_layers"),
+    Layout("ep2_pp2_z_bias", 4, ("--parallelism.expert_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--model.n_layers=4", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2", *Z_ONLY, "--training.local_batch_size=4"), "z_bias_4_layers", TOL),
     # ZeRO 0-2: the experts replicated outside EP (ZeRO-2 splits them over those ranks), their
     # gradients divided by the whole DP degree; the dense weights under ZeRO over all 4 ranks
-    "ep2_zero0": (2, [*ep(2), *ZERO, "0", *LB, "4"], "aux"),
-    "ep2_zero2": (4, [*ep(2), *ZERO, "2", *LB, "2"], "aux"),
-}
+    Layout("ep2_zero0", 2, ("--parallelism.expert_parallel_degree=2", "--parallelism.zero_stage=0", "--training.local_batch_size=4"), "aux", TOL),
+    Layout("ep2_zero2", 4, ("--parallelism.expert_parallel_degree=2", "--parallelism.zero_stage=2", "--training.local_batch_size=2"), "aux", TOL),
+)
+# resumed from ep2's step-10 checkpoint: the same layout continues exactly, the resharded ones
+# (EP 2 -> EP 1, i.e. FSDP 2; EP 2 -> EP 4 on 4 ranks) like the one-process run
+RESUMED = table(
+    Layout("ep2_resumed", 2, LAYOUTS["ep2"].args, "ep2", EXACT, after="ep2"),
+    Layout("ep2_to_fsdp2", 2, ("--training.local_batch_size=4",), "aux", TOL, after="ep2"),
+    Layout("ep2_to_ep4", 4, ("--parallelism.expert_parallel_degree=4", "--training.local_batch_size=2"), "aux", TOL, after="ep2"),
+)
+# fmt: on
 REFERENCES = {
-    "aux": [],
+    "aux": (),
     "aux_bias": BIAS,
-    "z_bias_4_layers": [*Z_ONLY, "--model.n_layers", "4"],
-}
-# resumed from ep2's step-10 checkpoint: name -> (ranks, arguments)
-RESUMED = {
-    "ep2_resumed": (2, LAYOUTS["ep2"][1]),  # the same layout: exact
-    "ep2_to_fsdp2": (2, LB + ["4"]),  # EP 2 -> EP 1 (FSDP 2)
-    "ep2_to_ep4": (4, [*ep(4), *LB, "2"]),  # EP 2 -> EP 4, on 4 ranks
+    "z_bias_4_layers": (*Z_ONLY, "--model.n_layers=4"),
 }
 
 
@@ -84,15 +77,15 @@ def expected_local_blocks(nproc: int, args: list[str]) -> int:
     """Block weight elements per rank: attention matrices cut tp x shard times, the router and
     the experts (never TP-sharded) cut by the shard ranks (EP x FSDP or ZeRO-1/2 over the rest,
     or FSDP); under ZeRO-0 only TP cuts attention and EP the experts."""
-    o = dict(zip(args[::2], args[1::2]))
-    tp = int(o.get("--parallelism.tensor_parallel_degree", 1))
-    pp = int(o.get("--parallelism.pipeline_parallel_degree", 1))
-    layers = int(o.get("--model.n_layers", 2)) // pp
+    o = options(args)
+    tp = int(o.get("parallelism.tensor_parallel_degree", 1))
+    pp = int(o.get("parallelism.pipeline_parallel_degree", 1))
+    layers = int(o.get("model.n_layers", 2)) // pp
     shard = nproc // (tp * pp)
     attention = 64 * 128 * 2 + 64 * 64 * 2  # wq, wo (4 heads x 32) and wk, wv (2 kv heads)
     router, experts = 8 * 64, 3 * 8 * 128 * 64  # 8 experts' w1 / w2 / w3
-    if o.get("--parallelism.zero_stage") == "0":
-        ep = int(o.get("--parallelism.expert_parallel_degree", 1))
+    if o.get("parallelism.zero_stage") == "0":
+        ep = int(o.get("parallelism.expert_parallel_degree", 1))
         return layers * (attention // tp + router + experts // ep)
     return layers * (attention // (tp * shard) + (router + experts) // shard)
 
@@ -100,42 +93,31 @@ def expected_local_blocks(nproc: int, args: list[str]) -> int:
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory):
     base = tmp_path_factory.mktemp("moe_parity")
-    refs = {name: ref for name, (_, _, ref) in LAYOUTS.items()}
-    refs |= {name: "ep2" for name in RESUMED}
     needs = {
         "test_resume_and_reshard_across_ep_degrees": [*RESUMED, "aux"],
         "test_moe_reference_trains_and_balances": ["aux", "aux_bias"],
     }
-    want = selected_runs(request, LAYOUTS, needs, refs, {"ep2": "aux"})
+    want = selected_runs(request, LAYOUTS, needs, *links(LAYOUTS, RESUMED))
     # a private inductor cache, as test_parallel_parity.py's (torch 2.13 has handed a stale
     # compiled TP graph from another run's cache entries back)
     env = {"TORCHINDUCTOR_CACHE_DIR": str(base / "inductor_cache")}
-    todo = [Run(n, base / n, 1, COMMON + a) for n, a in REFERENCES.items() if n in want]
-    todo += [
-        Run(n, base / n, k, COMMON + a, env=env) for n, (k, a, _) in LAYOUTS.items() if n in want
-    ]
-    saved = base / "ep2" / "checkpoint" / "step-10"
-    load = ["--checkpoint.initial_load_path", str(saved)]
-    load += ["--checkpoint.initial_load_model_only", "false"]
-    todo += [
-        Run(n, base / n, k, COMMON + a + load, after="ep2")
-        for n, (k, a) in RESUMED.items()
-        if n in want
-    ]
+    todo = family_runs(base, want, COMMON, REFERENCES, LAYOUTS, env=env)
+    todo += resumed_runs(base, want, COMMON, RESUMED)
     todo.sort(key=lambda r: -r.nproc)
     return launch_many(todo, parallel=2)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_moe_layout_matches_one_process(runs, name):
-    run, ref = runs[name].check(), runs[LAYOUTS[name][2]].check()
-    n_layers = 4 if "--model.n_layers" in run.args else 2
+    row = LAYOUTS[name]
+    run, ref = runs[name].check(), runs[row.reference].check()
+    n_layers = int(options(run.args).get("model.n_layers", 2))
     layout = assert_layout(
         run.folder, run.nproc, run.args, n_layers, expected_local_blocks(run.nproc, run.args)
     )
     for r in layout["ranks"]:  # every block's w1, w2, w3 sharded on the expert dimension
         assert r["placements"]["ep"] == {"Shard(0)": 3 * len(r["layers"])}, r["placements"]
-    assert_parity(ref.folder, run.folder, TOL)
+    assert_parity(ref.folder, run.folder, row.tol)
     assert_router_parity(ref.folder, run.folder)
 
 
@@ -155,12 +137,11 @@ def test_moe_reference_trains_and_balances(runs):
 def test_resume_and_reshard_across_ep_degrees(runs):
     """ep2's step-10 checkpoint continues bit-identically at EP 2, and within the parity
     tolerances at EP 1 (FSDP 2) and at EP 4 on 4 ranks (experts resharded by DCP)."""
-    saver, ref = runs["ep2"].check(), runs["aux"].check()
-    for name, (nproc, args) in RESUMED.items():
-        run = runs[name].check()
-        assert sorted(run.losses()) == list(range(11, STEPS + 1)), name
-        local = expected_local_blocks(nproc, args)
-        assert_layout(run.folder, nproc, run.args, local_blocks=local)
-        tol = EXACT if name == "ep2_resumed" else TOL
-        assert_parity(saver.folder if tol is EXACT else ref.folder, run.folder, tol, first=11)
-        assert_router_parity(ref.folder, run.folder, first=11)
+    aux = runs["aux"].check()
+    for row in RESUMED.values():
+        run, ref = runs[row.id].check(), runs[row.reference].check()
+        assert sorted(run.losses()) == list(range(11, STEPS + 1)), row.id
+        local = expected_local_blocks(row.nproc, row.args)
+        assert_layout(run.folder, row.nproc, run.args, local_blocks=local)
+        assert_parity(ref.folder, run.folder, row.tol, first=11)
+        assert_router_parity(aux.folder, run.folder, first=11)

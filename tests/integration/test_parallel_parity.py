@@ -9,7 +9,7 @@ layout it built. Runs that add a feature on top of a DP layout (AC modes, accumu
 offload, compile) check both at once.
 
 Only the runs that the selected tests need are launched (`pytest -k tp2` runs the reference
-and `tp2`), which is what lets `scripts/mutation_check.py` run one layout per planted bug.
+and `tp2`), which is what lets `tests/mutation/run.py` run one layout per planted bug.
 """
 
 from __future__ import annotations
@@ -21,38 +21,23 @@ from parity import (
     CHECKPOINT_ARGS,
     FP32,
     STEPS,
+    Layout,
     Tolerance,
     assert_layout,
     assert_parity,
     assert_series,
     by_step,
+    family_runs,
     final_weights,
+    links,
+    resumed_runs,
     selected_runs,
+    table,
 )
 
 from scripts.loss_compare import rel_diff
 
-
-def _args(**kw) -> list[str]:
-    out = []
-    for key, value in kw.items():
-        out += [f"--{key.replace('__', '.')}", str(value)]
-    return out
-
-
-def z(stage: int) -> dict:
-    return {"parallelism__zero_stage": stage}
-
-
-LB = "training__local_batch_size"
-GB = "training__global_batch_size"
-TP = "parallelism__tensor_parallel_degree"
-REP = "parallelism__data_parallel_replicate_degree"
-AC = "activation_checkpoint__mode"
-SAC = "activation_checkpoint__selective_ac_option"
-NO_LOSS_PARALLEL = "parallelism__disable_loss_parallel"
-COMPILE = "compile__enable"
-BF16 = {"training__mixed_precision_param": "bfloat16"}
+BF16 = "--training.mixed_precision_param=bfloat16"
 
 # bf16 compute with fp32 master weights and fp32 gradient reduction (the GPU default), between
 # layouts that all cast the same way (FSDP2's MixedPrecisionPolicy; ZeRO-1/2's bf16 compute
@@ -64,101 +49,81 @@ BF16 = {"training__mixed_precision_param": "bfloat16"}
 # grad norm and norm-wise weights, 3x element-wise: other CPUs run other bf16 kernels.
 BF16_TOL = Tolerance(loss=2.5e-4, grad_norm=1e-3, weights=0.2, weights_norm=3e-2)
 
-# name: (ranks, overrides, reference). Global batch 8 everywhere; AC modes ride along with DP
-# layouts (AC must not change numerics, and this also checks ZeRO's parameter swap under
-# recompute).
-LAYOUTS = {
-    "ddp4_ac_full": (4, {**z(0), LB: 2, AC: "full"}),
-    "zero1_2_ac_op": (2, {**z(1), LB: 4, AC: "selective", SAC: "op"}),
-    "zero2_2_accum_ac_sel2": (2, {**z(2), LB: 2, GB: 8, AC: "selective", SAC: "2"}),
-    "zero3_4": (4, {**z(3), LB: 2}),
-    "hsdp_2x2": (4, {**z(3), LB: 2, REP: 2}),
-    "hsdp_2x2_tp2": (8, {**z(3), LB: 2, REP: 2, TP: 2}),
-    "tp2": (2, {TP: 2}),
-    "tp2_fsdp2": (4, {TP: 2, LB: 4}),
-    "tp2_ddp2_no_loss_parallel": (4, {**z(0), TP: 2, LB: 4, NO_LOSS_PARALLEL: "true"}),
+# Global batch 8 everywhere; AC modes ride along with DP layouts (AC must not change numerics,
+# and this also checks ZeRO's parameter swap under recompute).
+# fmt: off
+LAYOUTS = table(
+    Layout("ddp4_ac_full", 4, ("--parallelism.zero_stage=0", "--training.local_batch_size=2", "--activation_checkpoint.mode=full")),
+    Layout("zero1_2_ac_op", 2, ("--parallelism.zero_stage=1", "--training.local_batch_size=4", "--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op")),
+    Layout("zero2_2_accum_ac_sel2", 2, ("--parallelism.zero_stage=2", "--training.local_batch_size=2", "--training.global_batch_size=8", "--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=2")),
+    Layout("zero3_4", 4, ("--parallelism.zero_stage=3", "--training.local_batch_size=2")),
+    Layout("hsdp_2x2", 4, ("--parallelism.zero_stage=3", "--training.local_batch_size=2", "--parallelism.data_parallel_replicate_degree=2")),
+    Layout("hsdp_2x2_tp2", 8, ("--parallelism.zero_stage=3", "--training.local_batch_size=2", "--parallelism.data_parallel_replicate_degree=2", "--parallelism.tensor_parallel_degree=2")),
+    Layout("tp2", 2, ("--parallelism.tensor_parallel_degree=2",)),
+    Layout("tp2_fsdp2", 4, ("--parallelism.tensor_parallel_degree=2", "--training.local_batch_size=4")),
+    Layout("tp2_ddp2_no_loss_parallel", 4, ("--parallelism.zero_stage=0", "--parallelism.tensor_parallel_degree=2", "--training.local_batch_size=4", "--parallelism.disable_loss_parallel=true")),
     # ZeRO-1/2 split each TP shard's rows over the data-parallel ranks (masters on (dp, tp))
-    "tp2_zero1": (4, {**z(1), TP: 2, LB: 4}),
-    "tp2_zero2_accum": (4, {**z(2), TP: 2, LB: 2, GB: 8}),
-    "fsdp2_offload_accum": (2, {LB: 2, GB: 8, "training__enable_cpu_offload": "true"}),
+    Layout("tp2_zero1", 4, ("--parallelism.zero_stage=1", "--parallelism.tensor_parallel_degree=2", "--training.local_batch_size=4")),
+    Layout("tp2_zero2_accum", 4, ("--parallelism.zero_stage=2", "--parallelism.tensor_parallel_degree=2", "--training.local_batch_size=2", "--training.global_batch_size=8")),
+    Layout("fsdp2_offload_accum", 2, ("--training.local_batch_size=2", "--training.global_batch_size=8", "--training.enable_cpu_offload=true")),
     # Compile: TP 2 first, then TP 2 x FSDP 2, which finds the block graphs in the inductor
     # cache instead of running gcc again on every rank at once.
-    "tp2_compile_ac_op": (2, {TP: 2, COMPILE: "true", AC: "selective", SAC: "op"}),
+    Layout("tp2_compile_ac_op", 2, ("--parallelism.tensor_parallel_degree=2", "--compile.enable=true", "--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op")),
     # AC modes that recompute attention in backward (the flagship presets' TP + compile +
     # full AC): the compiled block saves the CPU RNG state beside its DeviceMesh
-    "tp2_compile_ac_full": (2, {TP: 2, COMPILE: "true", AC: "full"}),
-    "tp2_compile_ac_sel2": (2, {TP: 2, COMPILE: "true", AC: "selective", SAC: "2"}),
-    "tp2_fsdp2_compile": (4, {TP: 2, LB: 4, COMPILE: "true"}),
-    # the bf16 family, against FSDP 2 in bf16
-    "fsdp2_bf16": (2, {LB: 4, **BF16}),
-    "zero2_2_accum_bf16": (2, {**z(2), LB: 2, GB: 8, **BF16}),
-    "tp2_fsdp2_bf16": (4, {TP: 2, LB: 4, **BF16}),
+    Layout("tp2_compile_ac_full", 2, ("--parallelism.tensor_parallel_degree=2", "--compile.enable=true", "--activation_checkpoint.mode=full")),
+    Layout("tp2_compile_ac_sel2", 2, ("--parallelism.tensor_parallel_degree=2", "--compile.enable=true", "--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=2")),
+    Layout("tp2_fsdp2_compile", 4, ("--parallelism.tensor_parallel_degree=2", "--training.local_batch_size=4", "--compile.enable=true"), after="tp2_compile_ac_op"),
+    # the bf16 family, against FSDP 2 in bf16 (itself compared with fp32 only to show that
+    # bf16 is in use)
+    Layout("fsdp2_bf16", 2, ("--training.local_batch_size=4", BF16), tol=BF16_TOL),
+    Layout("zero2_2_accum_bf16", 2, ("--parallelism.zero_stage=2", "--training.local_batch_size=2", "--training.global_batch_size=8", BF16), "fsdp2_bf16", BF16_TOL),
+    Layout("tp2_fsdp2_bf16", 4, ("--parallelism.tensor_parallel_degree=2", "--training.local_batch_size=4", BF16), "fsdp2_bf16", BF16_TOL),
     # DDP's bf16 compute copies of TP weights: a gradient that comes back in another
     # placement than its weight's (the embedding's) is redistributed before the reduction
-    "tp2_ddp2_bf16": (4, {**z(0), TP: 2, LB: 4, **BF16}),
+    Layout("tp2_ddp2_bf16", 4, ("--parallelism.zero_stage=0", "--parallelism.tensor_parallel_degree=2", "--training.local_batch_size=4", BF16), "fsdp2_bf16", BF16_TOL),
     # Llama 3.2's tied embeddings (flavor 1B at the tiny shape): one process, then TP 2 x FSDP
     # 2, where TP distributes the two modules' weights and the family ties them again
-    "tied_one_process": (1, {"model__flavor": "1B"}),
-    "tied_tp2_fsdp2": (4, {"model__flavor": "1B", TP: 2, LB: 4}),
-}
+    Layout("tied_one_process", 1, ("--model.flavor=1B",)),
+    Layout("tied_tp2_fsdp2", 4, ("--model.flavor=1B", "--parallelism.tensor_parallel_degree=2", "--training.local_batch_size=4"), "tied_one_process"),
+)
+# ZeRO-2 shards are FSDP's layout (Shard(0), under TP FSDP's shards of the TP shards): their
+# step-10 checkpoints resume under ZeRO-3 (`after`: the saver)
+RESUMES = table(
+    Layout("zero2_to_zero3_resume", 2, ("--parallelism.zero_stage=3", "--training.local_batch_size=4"), after="zero2_2_accum_ac_sel2"),
+    Layout("tp2_zero2_to_tp2_fsdp2_resume", 4, ("--parallelism.zero_stage=3", "--parallelism.tensor_parallel_degree=2", "--training.local_batch_size=4"), after="tp2_zero2_accum"),
+)
+# fmt: on
 BF16_REFERENCE = "fsdp2_bf16"
-REFERENCE = {name: BF16_REFERENCE for name in LAYOUTS if name.endswith("bf16")}
-REFERENCE[BF16_REFERENCE] = "reference"  # compared with fp32 only to show bf16 is in use
-TOLERANCE = {name: BF16_TOL for name in REFERENCE}
 TIED_REFERENCE = "tied_one_process"
-REFERENCE |= {"tied_tp2_fsdp2": TIED_REFERENCE, TIED_REFERENCE: "reference"}
-AFTER = {"tp2_fsdp2_compile": "tp2_compile_ac_op"}
 # Tests that need runs besides their parameter's: test name -> runs
 NEEDS = {
     "test_compile_time_logged_separately": ["tp2_fsdp2_compile"],
     "test_compile_rerun_on_warm_cache": ["tp2_fsdp2_compile_rerun"],
 }
-# ZeRO-2 shards are FSDP's layout (Shard(0), under TP FSDP's shards of the TP shards): their
-# step-10 checkpoints resume under ZeRO-3. name -> (saver, ranks, layout of the resumed run)
-RESUMES = {
-    "zero2_to_zero3_resume": ("zero2_2_accum_ac_sel2", 2, {**z(3), LB: 4}),
-    "tp2_zero2_to_tp2_fsdp2_resume": ("tp2_zero2_accum", 4, {**z(3), TP: 2, LB: 4}),
-}
-RESUME_FROM = {name: saver for name, (saver, _, _) in RESUMES.items()}
 # A restart's view of the compile caches: the same TP 2 x FSDP 2 run again, 4 steps, on the
 # cache the first one filled (two TP groups, whose graphs must not be handed to each other).
 RERUN_OF = {"tp2_fsdp2_compile_rerun": "tp2_fsdp2_compile"}
 RERUN_STEPS = 4
 
 
-def _run_args(name: str) -> list[str]:
-    n, kw = LAYOUTS[name]
-    return ["--training.steps", str(STEPS), *CHECKPOINT_ARGS, *_args(**kw)]
-
-
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory):
     base = tmp_path_factory.mktemp("parity")
     names = {*LAYOUTS, *RESUMES}
-    want = {"reference"} | selected_runs(
-        request, names, NEEDS, REFERENCE, AFTER, RESUME_FROM, RERUN_OF
-    )
+    depends = links(LAYOUTS, RESUMES)
+    want = {"reference"} | selected_runs(request, names, NEEDS, *depends, RERUN_OF)
     # A private inductor cache, shared by this module's runs: only their own compiles are
     # reused, not those of whatever ran on this machine before.
     env = {"TORCHINDUCTOR_CACHE_DIR": str(base / "inductor_cache")}
     common = ["--training.steps", str(STEPS), *CHECKPOINT_ARGS]
     todo = [Run("reference", base / "reference", 1, common)]
-    todo += [
-        Run(name, base / name, LAYOUTS[name][0], _run_args(name), after=AFTER.get(name), env=env)
-        for name in LAYOUTS
-        if name in want
-    ]
-    for name, (saver, nproc, layout) in RESUMES.items():
-        if name not in want:
-            continue
-        resume = [*common, *_args(**layout), "--checkpoint.initial_load_path"]
-        resume += [str(base / saver / "checkpoint" / "step-10")]
-        resume += ["--checkpoint.initial_load_model_only", "false"]
-        todo.append(Run(name, base / name, nproc, resume, after=saver))
+    todo += family_runs(base, want, common, {}, LAYOUTS, env=env)
+    todo += resumed_runs(base, want, common, RESUMES)
     for rerun, first in RERUN_OF.items():
         if rerun in want:
-            args = ["--training.steps", str(RERUN_STEPS), *_args(**LAYOUTS[first][1])]
-            nproc = LAYOUTS[first][0]
+            args = ["--training.steps", str(RERUN_STEPS), *LAYOUTS[first].args]
+            nproc = LAYOUTS[first].nproc
             todo.append(Run(rerun, base / rerun, nproc, args, after=first, env=env))
     # Compile runs and the widest runs are the slowest: start them first so others overlap.
     todo.sort(key=lambda r: ("compile" not in r.name, -r.nproc))
@@ -170,7 +135,8 @@ def runs(request, tmp_path_factory):
 def test_layout_matches_one_process(runs, name):
     run = runs[name].check()
     assert_layout(run.folder, run.nproc, run.args)
-    ref = runs[REFERENCE.get(name, "reference")].check()
+    row = LAYOUTS[name]
+    ref = runs[row.reference].check()
     if name == BF16_REFERENCE:  # bf16 compute really ran: near fp32, but not equal to it
         worst = max(rel_diff(a, b) for a, b in zip(run.losses().values(), ref.losses().values()))
         assert 1e-5 < worst < 5e-2, f"bf16 vs fp32 loss: worst relative difference {worst:.1e}"
@@ -182,7 +148,7 @@ def test_layout_matches_one_process(runs, name):
         # 64x32, wo 64x64, SwiGLU 3 x 64x256, 2 norms x 64) = 262,144 + 64 + 2 x 61,568
         assert run.param_counts()["total"] == 385_344
         return
-    assert_parity(ref.folder, run.folder, TOLERANCE.get(name, FP32))
+    assert_parity(ref.folder, run.folder, row.tol)
 
 
 def test_reference_loss_falls(runs):

@@ -17,11 +17,16 @@ from parity import (
     CHECKPOINT_ARGS,
     FP32,
     STEPS,
+    Layout,
     assert_layout,
     assert_parity,
     assert_series,
     by_step,
+    family_runs,
+    links,
+    options,
     selected_runs,
+    table,
 )
 
 from parallelisms.pipeline import v_schedules_on_gloo
@@ -35,97 +40,70 @@ COMMON = [
 EIGHT_LAYERS = ["--model.n_layers", "8"]
 
 
-def _pp(schedule: str, microbatch: int, pp: str = "2", **kw) -> list[str]:
-    args = [
-        "--parallelism.pipeline_parallel_degree", pp,
-        "--parallelism.pipeline_parallel_schedule", schedule,
-        "--parallelism.pipeline_parallel_microbatch_size", str(microbatch),
-    ]  # fmt: skip
-    for key, value in kw.items():
-        args += [f"--{key.replace('__', '.')}", value]
-    return args
-
-
-LB, GB = "training__local_batch_size", "training__global_batch_size"
-TP = "parallelism__tensor_parallel_degree"
-SPLIT = "parallelism__pipeline_parallel_split_points"
-ZERO = "parallelism__zero_stage"
-# Validation batches per evaluation: runs with a smaller local batch take more of them, so
-# every run validates on the same 16 sequences as the reference (2 batches of 8).
-VS = "validation__steps"
-
-AC_EVERY_2 = {"activation_checkpoint__mode": "selective",
-              "activation_checkpoint__selective_ac_option": "2"}  # fmt: skip
-
-# name: (ranks, arguments). Local batch 8 unless set; microbatch sizes vary the number of
-# microbatches (2, 4 or 8) per schedule step.
-LAYOUTS = {
+# Validation batches per evaluation (`--validation.steps`): runs with a smaller local batch take
+# more of them, so every run validates on the same 16 sequences as the reference (2 batches
+# of 8). Local batch 8 unless set; microbatch sizes vary the number of microbatches (2, 4 or
+# 8) per schedule step. Reference: the one-process run of the same depth ("reference": 4
+# layers).
+# fmt: off
+LAYOUTS = table(
     # single-stage schedules: 1 stage of 2 layers per rank
-    "pp2_gpipe": (2, _pp("GPipe", 2)),
-    "pp2_1f1b": (2, _pp("1F1B", 1)),
+    Layout("pp2_gpipe", 2, ("--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=GPipe", "--parallelism.pipeline_parallel_microbatch_size=2")),
+    Layout("pp2_1f1b", 2, ("--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=1")),
     # multi-stage schedules: 2 stages of 1 layer per rank, looped or (ZBV, DualPipeV) V-shaped
-    "pp2_interleaved_1f1b": (2, _pp("Interleaved1F1B", 2)),
-    "pp2_looped_bfs": (2, _pp("LoopedBFS", 4)),
-    "pp2_interleaved_zb": (2, _pp("InterleavedZeroBubble", 2)),
-    "pp2_zbv": (2, _pp("ZBVZeroBubble", 2)),
-    "pp2_dualpipev": (2, _pp("DualPipeV", 2)),
+    Layout("pp2_interleaved_1f1b", 2, ("--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=Interleaved1F1B", "--parallelism.pipeline_parallel_microbatch_size=2")),
+    Layout("pp2_looped_bfs", 2, ("--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=LoopedBFS", "--parallelism.pipeline_parallel_microbatch_size=4")),
+    Layout("pp2_interleaved_zb", 2, ("--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=InterleavedZeroBubble", "--parallelism.pipeline_parallel_microbatch_size=2")),
+    Layout("pp2_zbv", 2, ("--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=ZBVZeroBubble", "--parallelism.pipeline_parallel_microbatch_size=2")),
+    Layout("pp2_dualpipev", 2, ("--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=DualPipeV", "--parallelism.pipeline_parallel_microbatch_size=2")),
     # split backward (input, then weight pass) recomputes each checkpointed block once per
     # pass; per-op selective AC is refused with these schedules (one backward per region)
-    "pp2_zbv_ac_every_2": (2, _pp("ZBVZeroBubble", 2, **AC_EVERY_2)),
+    Layout("pp2_zbv_ac_every_2", 2, ("--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=ZBVZeroBubble", "--parallelism.pipeline_parallel_microbatch_size=2", "--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=2")),
     # compiled blocks and loss under split backward: the first pass keeps the graph for the
     # second, so the compiled backward must not donate its buffers (build_schedule)
-    "pp2_zbv_compile": (2, _pp("ZBVZeroBubble", 2, compile__enable="true")),
+    Layout("pp2_zbv_compile", 2, ("--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=ZBVZeroBubble", "--parallelism.pipeline_parallel_microbatch_size=2", "--compile.enable=true")),
     # gradient accumulation (4 schedule steps per optimizer step) and an uneven explicit split
-    "pp2_1f1b_accum_split": (
-        2,
-        _pp("1F1B", 1, **{LB: "2", GB: "8", SPLIT: '["layers.1"]', VS: "8"}),
-    ),
+    Layout("pp2_1f1b_accum_split", 2, ("--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=1", "--training.local_batch_size=2", "--training.global_batch_size=8", '--parallelism.pipeline_parallel_split_points=["layers.1"]', "--validation.steps=8")),
     # PP x ZeRO-1 with accumulation (2 steps) under split backward: the weight pass fires no
     # gradient hook, so the step reduces what it left (training/step.py)
-    "pp2_zero1_interleaved_zb_accum": (
-        4,
-        _pp("InterleavedZeroBubble", 1, **{LB: "2", GB: "8", VS: "4", ZERO: "1"}),
-    ),
+    Layout("pp2_zero1_interleaved_zb_accum", 4, ("--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=InterleavedZeroBubble", "--parallelism.pipeline_parallel_microbatch_size=1", "--training.local_batch_size=2", "--training.global_batch_size=8", "--validation.steps=4", "--parallelism.zero_stage=1")),
     # PP x FSDP with accumulation (2 steps); the pipeline runtime drives FSDP's reduction
-    "pp2_fsdp2_zbv_accum": (4, _pp("ZBVZeroBubble", 1, **{LB: "2", GB: "8", VS: "4"})),
+    Layout("pp2_fsdp2_zbv_accum", 4, ("--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=ZBVZeroBubble", "--parallelism.pipeline_parallel_microbatch_size=1", "--training.local_batch_size=2", "--training.global_batch_size=8", "--validation.steps=4")),
     # 3-D: PP 2 x FSDP 2 x TP 2 (loss parallel on the last stage), looped (V-shaped schedules
     # with FSDP are the ZBV run above; a V-shaped 3-D run would add 8 more processes)
-    "pp2_fsdp2_tp2_interleaved_1f1b": (8, _pp("Interleaved1F1B", 2, **{LB: "4", TP: "2"})),
-    # 4 stages on 4 ranks; 8 stages (2 per rank) over 8 layers
-    "pp4_1f1b": (4, _pp("1F1B", 1, pp="4")),
-    "pp4_interleaved_1f1b": (4, _pp("Interleaved1F1B", 2, pp="4") + EIGHT_LAYERS),
-}
-REFERENCE = {"pp4_interleaved_1f1b": "reference_8_layers"}  # the rest: "reference" (4 layers)
+    Layout("pp2_fsdp2_tp2_interleaved_1f1b", 8, ("--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=Interleaved1F1B", "--parallelism.pipeline_parallel_microbatch_size=2", "--training.local_batch_size=4", "--parallelism.tensor_parallel_degree=2")),
+    # 4 stages on 4 ranks; 8 stages (2 per rank) over 8 layers, against the 8-layer reference
+    Layout("pp4_1f1b", 4, ("--parallelism.pipeline_parallel_degree=4", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=1")),
+    Layout("pp4_interleaved_1f1b", 4, ("--parallelism.pipeline_parallel_degree=4", "--parallelism.pipeline_parallel_schedule=Interleaved1F1B", "--parallelism.pipeline_parallel_microbatch_size=2", "--model.n_layers=8"), "reference_8_layers"),
+)
+# fmt: on
 
 
 # torch < 2.13 cannot run the V schedules on gloo; train.py rejects them up front there.
 V_ON_GLOO = v_schedules_on_gloo()
 
 
-def _v_schedule(args: list[str]) -> bool:
-    return any(a in ("ZBVZeroBubble", "DualPipeV") for a in args)
+def _v_schedule(args: tuple[str, ...]) -> bool:
+    return options(args)["parallelism.pipeline_parallel_schedule"] in ("ZBVZeroBubble", "DualPipeV")
 
 
 PARAMS = [
     pytest.param(
         name,
         marks=pytest.mark.skipif(
-            _v_schedule(args) and not V_ON_GLOO, reason="V schedules on gloo need torch >= 2.13"
+            _v_schedule(row.args) and not V_ON_GLOO, reason="V schedules on gloo need torch >= 2.13"
         ),
     )
-    for name, (_, args) in LAYOUTS.items()
+    for name, row in LAYOUTS.items()
 ]
 
 
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory):
     base = tmp_path_factory.mktemp("pp_parity")
-    want = selected_runs(request, LAYOUTS, {}, REFERENCE) | {"reference"}
-    todo = [
-        Run(name, base / name, n, COMMON + args)
-        for name, (n, args) in LAYOUTS.items()
-        if name in want and (V_ON_GLOO or not _v_schedule(args))
-    ]
+    want = selected_runs(request, LAYOUTS, {}, *links(LAYOUTS)) | {"reference"}
+    want = {n for n in want if n not in LAYOUTS or V_ON_GLOO or not _v_schedule(LAYOUTS[n].args)}
+    todo = family_runs(base, want, COMMON, {}, LAYOUTS)
     todo.append(Run("reference", base / "reference", 1, COMMON))
     if "reference_8_layers" in want:
         todo.append(Run("reference_8_layers", base / "reference8", 1, COMMON + EIGHT_LAYERS))
@@ -136,9 +114,9 @@ def runs(request, tmp_path_factory):
 
 @pytest.mark.parametrize("name", PARAMS)
 def test_pipeline_matches_one_process(runs, name):
-    ref, run = runs[REFERENCE.get(name, "reference")].check(), runs[name].check()
+    ref, run = runs[LAYOUTS[name].reference].check(), runs[name].check()
     assert_layout(run.folder, run.nproc, run.args, n_layers=4)
-    assert_parity(ref.folder, run.folder, FP32)
+    assert_parity(ref.folder, run.folder, LAYOUTS[name].tol)
     val = by_step(ref.folder, "loss", kind="validation")
     assert sorted(val) == [5, 10, 15, 20]
     assert_series(val, by_step(run.folder, "loss", kind="validation"), "validation loss", FP32.loss)

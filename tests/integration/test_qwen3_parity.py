@@ -9,81 +9,73 @@ vocabulary) and TP x FSDP; pipeline parallelism and ZeRO 0-2 refuse tied weights
 from __future__ import annotations
 
 import pytest
-from dist_utils import Run, launch_many
+from dist_utils import launch_many
 from parity import (
     CHECKPOINT_ARGS,
     EXACT,
     QWEN3_FP32,
     STEPS,
+    Layout,
     assert_layout,
     assert_parity,
     family_runs,
+    links,
+    resumed_runs,
     selected_runs,
+    table,
 )
 
 TOL = QWEN3_FP32  # measured: see tests/parity.py
 
-TIED = ["--model.name", "qwen3", "--model.flavor", "debugmodel"]
-UNTIED = ["--model.name", "qwen3", "--model.flavor", "debugmodel_untied"]
+TIED = ("--model.name=qwen3", "--model.flavor=debugmodel")
+UNTIED = ("--model.name=qwen3", "--model.flavor=debugmodel_untied")
 COMMON = ["--training.steps", str(STEPS), *CHECKPOINT_ARGS]
-LB = ["--training.local_batch_size"]
-TP2 = ["--parallelism.tensor_parallel_degree", "2"]
-PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--model.n_layers", "4",
-       "--parallelism.pipeline_parallel_schedule", "1F1B",
-       "--parallelism.pipeline_parallel_microbatch_size", "2"]  # fmt: skip
-HSDP = ["--parallelism.data_parallel_replicate_degree", "2"]
 
-
-# name: (ranks, arguments, reference). ZeRO 0-2 hold whatever parameters a model has (no
-# family unit, no plan): they are proven on Llama (test_parallel_parity.py), not again here.
-LAYOUTS = {
-    "tied_fsdp2": (2, [*TIED, *LB, "4"], "tied"),
-    "tied_tp2": (2, [*TIED, *TP2], "tied"),
-    "tied_tp2_fsdp2": (4, [*TIED, *TP2, *LB, "4"], "tied"),
-    "tied_hsdp_2x2": (4, [*TIED, *HSDP, *LB, "2"], "tied"),
+# ZeRO 0-2 hold whatever parameters a model has (no family unit, no plan): they are proven on
+# Llama (test_parallel_parity.py), not again here.
+# fmt: off
+LAYOUTS = table(
+    Layout("tied_fsdp2", 2, (*TIED, "--training.local_batch_size=4"), "tied", TOL),
+    Layout("tied_tp2", 2, (*TIED, "--parallelism.tensor_parallel_degree=2"), "tied", TOL),
+    Layout("tied_tp2_fsdp2", 4, (*TIED, "--parallelism.tensor_parallel_degree=2", "--training.local_batch_size=4"), "tied", TOL),
+    Layout("tied_hsdp_2x2", 4, (*TIED, "--parallelism.data_parallel_replicate_degree=2", "--training.local_batch_size=2"), "tied", TOL),
     # replicas only: still FSDP2 (one shard rank), which holds the tied weight; ZeRO-0 cannot
-    "tied_hsdp_2x1": (2, [*TIED, *HSDP, *LB, "4"], "tied"),
-    "untied_fsdp2": (2, [*UNTIED, *LB, "4"], "untied"),
-    "untied_tp2_fsdp2": (4, [*UNTIED, *TP2, *LB, "4"], "untied"),
-    "untied_pp2": (2, [*UNTIED, *PP2], "untied_4_layers"),
-}
-# resumed from tied_fsdp2's step-10 checkpoint: name -> (ranks, layout arguments)
-RESUMED = {
-    "tied_fsdp2_resumed": (2, LAYOUTS["tied_fsdp2"][1]),  # the same layout: exact
-    "tied_fsdp2_to_tp2_fsdp2": (4, LAYOUTS["tied_tp2_fsdp2"][1]),  # resharded
-}
+    Layout("tied_hsdp_2x1", 2, (*TIED, "--parallelism.data_parallel_replicate_degree=2", "--training.local_batch_size=4"), "tied", TOL),
+    Layout("untied_fsdp2", 2, (*UNTIED, "--training.local_batch_size=4"), "untied", TOL),
+    Layout("untied_tp2_fsdp2", 4, (*UNTIED, "--parallelism.tensor_parallel_degree=2", "--training.local_batch_size=4"), "untied", TOL),
+    Layout("untied_pp2", 2, (*UNTIED, "--parallelism.pipeline_parallel_degree=2", "--model.n_layers=4", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2"), "untied_4_layers", TOL),
+)
+# resumed from tied_fsdp2's step-10 checkpoint: the same layout continues exactly, the
+# resharded one (the tied matrix onto the vocabulary) like the one-process run
+RESUMED = table(
+    Layout("tied_fsdp2_resumed", 2, LAYOUTS["tied_fsdp2"].args, "tied_fsdp2", EXACT, after="tied_fsdp2"),
+    Layout("tied_fsdp2_to_tp2_fsdp2", 4, LAYOUTS["tied_tp2_fsdp2"].args, "tied", TOL, after="tied_fsdp2"),
+)
+# fmt: on
 REFERENCES = {
     "tied": TIED,
     "untied": UNTIED,
-    "untied_4_layers": [*UNTIED, "--model.n_layers", "4"],
+    "untied_4_layers": (*UNTIED, "--model.n_layers=4"),
 }
 
 
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory):
     base = tmp_path_factory.mktemp("qwen3_parity")
-    refs = {name: ref for name, (_, _, ref) in LAYOUTS.items()}
-    refs |= {name: "tied_fsdp2" for name in RESUMED}
     needs = {"test_tied_reference_has_one_matrix": ["tied"], "test_resume_and_reshard": RESUMED}
-    want = selected_runs(request, LAYOUTS, needs, refs, {"tied_fsdp2": "tied"})
+    want = selected_runs(request, LAYOUTS, needs, *links(LAYOUTS, RESUMED))
     todo = family_runs(base, want, COMMON, REFERENCES, LAYOUTS)
-    saved = base / "tied_fsdp2" / "checkpoint" / "step-10"
-    load = ["--checkpoint.initial_load_path", str(saved)]
-    load += ["--checkpoint.initial_load_model_only", "false"]
-    todo += [
-        Run(n, base / n, k, COMMON + a + load, after="tied_fsdp2")
-        for n, (k, a) in RESUMED.items()
-        if n in want
-    ]
+    todo += resumed_runs(base, want, COMMON, RESUMED)
     todo.sort(key=lambda r: -r.nproc)
     return launch_many(todo, parallel=2)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_qwen3_layout_matches_one_process(runs, name):
-    run, ref = runs[name].check(), runs[LAYOUTS[name][2]].check()
+    row = LAYOUTS[name]
+    run, ref = runs[name].check(), runs[row.reference].check()
     assert_layout(run.folder, run.nproc, run.args)
-    assert_parity(ref.folder, run.folder, TOL)
+    assert_parity(ref.folder, run.folder, row.tol)
 
 
 def test_tied_reference_has_one_matrix(runs):
@@ -102,10 +94,8 @@ def test_tied_reference_has_one_matrix(runs):
 def test_resume_and_reshard(runs):
     """tied_fsdp2's step-10 checkpoint continues bit-identically under FSDP 2, and within the
     parity tolerances under TP 2 x FSDP 2 (the tied matrix resharded onto the vocabulary)."""
-    saver, ref = runs["tied_fsdp2"].check(), runs["tied"].check()
-    exact, resharded = runs["tied_fsdp2_resumed"].check(), runs["tied_fsdp2_to_tp2_fsdp2"].check()
-    for run in (exact, resharded):
+    for row in RESUMED.values():
+        run, ref = runs[row.id].check(), runs[row.reference].check()
         assert sorted(run.losses()) == list(range(11, STEPS + 1)), run.name
         assert_layout(run.folder, run.nproc, run.args)
-    assert_parity(saver.folder, exact.folder, EXACT, first=11)
-    assert_parity(ref.folder, resharded.folder, TOL, first=11)
+        assert_parity(ref.folder, run.folder, row.tol, first=11)

@@ -4,13 +4,19 @@ files built locally."""
 import base64
 import io
 import json
-import math
 from pathlib import Path
 
 import pytest
 import sentencepiece as spm
 import tokenizers
-from dist_utils import Run, launch_many
+from hf_tokenizer_files import (
+    HF_VOCAB,
+    QWEN_SPECIALS,
+    SAMPLE_TEXTS,
+    qwen_like_tokenizer,
+    save_hf,
+    train_hf_tokenizer,
+)
 
 from data.tokenizer import (
     HuggingFaceTokenizer,
@@ -21,13 +27,6 @@ from data.tokenizer import (
 )
 
 MERGES = [b"th", b"the", b" the", b"in", b"ing"]
-SAMPLE_TEXTS = [
-    "the thing is in the ring",
-    "Héllo wörld! 🚀 ünïcode\n\n\tindented    spaces\r\nend",
-    "",
-    "<|begin_of_text|> special-token text is plain text <|eot_id|>",
-    "numbers 1234567 and code: def f(x): return x ** 2\n",
-]
 
 
 def write_tiktoken_file(path: Path, merges: list[bytes]) -> Path:
@@ -164,42 +163,11 @@ def test_bad_tiktoken_ranks_error(tmp_path):
 
 # --- Hugging Face tokenizer.json ---------------------------------------------------------------
 
-QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # Qwen's: no BOS token
-HF_VOCAB = 300  # 256 bytes, the special tokens and merges
-HF_WORDS = ["token", "model", "train", "the", "data", "mesh", "shard", "loss", "step", "qwen"]
-
-
-def train_hf_tokenizer(specials: list[str], vocab_size: int = HF_VOCAB) -> tokenizers.Tokenizer:
-    """A tiny byte-level BPE (GPT-2/Qwen style) trained offline on a few KB of text."""
-    text = [
-        " ".join(HF_WORDS[(i * 7 + j * 3) % len(HF_WORDS)] for j in range(12)) for i in range(300)
-    ]
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=specials,
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(text + SAMPLE_TEXTS, trainer)
-    return tok
-
-
-def save_hf(folder: Path, tok: tokenizers.Tokenizer, config: dict | None = None) -> Path:
-    """Save `tok` as folder/tokenizer.json, with a tokenizer_config.json beside it if given."""
-    folder.mkdir(parents=True, exist_ok=True)
-    tok.save(str(folder / "tokenizer.json"))
-    if config is not None:
-        (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder / "tokenizer.json"
-
 
 @pytest.fixture(scope="module")
 def qwen_like(tmp_path_factory) -> Path:
     """Qwen-style tokenizer.json: <|endoftext|> and chat tokens, no BOS, no config."""
-    return save_hf(tmp_path_factory.mktemp("qwen"), train_hf_tokenizer(QWEN_SPECIALS))
+    return qwen_like_tokenizer(tmp_path_factory.mktemp("qwen"))
 
 
 @pytest.fixture(scope="module")
@@ -352,48 +320,3 @@ def test_json_that_is_not_a_tokenizer(tmp_path):
     path.write_text('{"model": {"type": "NoSuchModel"}}')
     with pytest.raises(ValueError, match="not a Hugging Face tokenizer.json"):
         build_tokenizer(str(path))
-
-
-def test_training_with_a_tokenizer_json(qwen_like, tmp_path):
-    """train.py on one process with `--model.tokenizer_path <tokenizer.json>`: the model gets
-    the tokenizer's vocabulary (the logged parameter count is the one for its 300 tokens) and the
-    loss is finite."""
-    from metrics.flops import count_params
-    from models import build_model_args, get_model_spec
-
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    for i in range(20):
-        words = [HF_WORDS[(i + 3 * j) % len(HF_WORDS)] for j in range(60)]
-        (docs / f"doc{i}.txt").write_text(" ".join(words) + " <|endoftext|> é🚀\n")
-    run = Run(
-        "hf_tokenizer",
-        tmp_path / "run",
-        nproc=1,
-        args=[
-            "--model.tokenizer_path",
-            str(qwen_like),
-            "--training.dataset",
-            "text",
-            "--training.dataset_path",
-            str(docs),
-            "--training.steps",
-            "3",
-        ],  # fmt: skip
-        env={"MESHTRAIN_CACHE": str(tmp_path / "cache")},
-    )
-    run = launch_many([run])["hf_tokenizer"].check()
-    losses = run.losses()
-    assert sorted(losses) == [1, 2, 3]
-    assert all(math.isfinite(loss) for loss in losses.values())
-    assert math.log(HF_VOCAB) - 1 < losses[1] < math.log(HF_VOCAB) + 1  # ~uniform over the vocab
-    log = (run.folder / "logs" / "rank_0.log").read_text()
-    assert f"tokenizer {qwen_like}: {HF_VOCAB} tokens, BOS none, EOS '<|endoftext|>'" in log
-
-    def n_params(vocab: int) -> int:
-        shape = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2}
-        args = build_model_args("llama3", "debugmodel", 32, vocab, shape)
-        return count_params(get_model_spec("llama3").model_cls(args))
-
-    assert n_params(HF_VOCAB) != n_params(4096)
-    assert run.param_counts()["total"] == n_params(HF_VOCAB)

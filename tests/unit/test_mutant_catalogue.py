@@ -15,9 +15,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _catalogue():
-    spec = importlib.util.spec_from_file_location("mutants", ROOT / "scripts" / "mutants.py")
+    path = ROOT / "tests" / "mutation" / "catalogue.py"
+    spec = importlib.util.spec_from_file_location("mutation_catalogue", path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules["mutants"] = module  # dataclasses look their module up while it loads
+    sys.modules["mutation_catalogue"] = module  # dataclasses look their module up while it loads
     spec.loader.exec_module(module)
     return module.MUTANTS
 
@@ -35,7 +36,7 @@ def test_mutant_text_occurs_once_and_its_tests_exist(mutant):
     text = (ROOT / mutant.path).read_text()
     assert text.count(mutant.old) == 1, (
         f"{mutant.name}: its text occurs {text.count(mutant.old)} times in {mutant.path}; "
-        "update scripts/mutants.py to follow the code"
+        "update tests/mutation/catalogue.py to follow the code"
     )
     assert mutant.new != mutant.old
     assert mutant.tests, f"{mutant.name} names no test that must catch it"

@@ -1,4 +1,4 @@
-"""The mutation check's catalogue (`scripts/mutation_check.py` runs it): each planted bug is
+"""The mutation check's catalogue (`tests/mutation/run.py` runs it): each planted bug is
 one exact text replacement in one product file, with the tests that must catch it. A new
 feature adds its planted bug here."""
 

@@ -1,9 +1,9 @@
 """Plants known bugs one at a time and checks that the test suite catches each of them.
 
-    python scripts/mutation_check.py                 # every mutant, table to stdout
-    python scripts/mutation_check.py --only tp_not_applied,dp_offset_off_by_one
-    python scripts/mutation_check.py --list          # the catalogue, nothing run
-    python scripts/mutation_check.py --markdown docs/mutation_check.md
+    python tests/mutation/run.py                 # every mutant, table to stdout
+    python tests/mutation/run.py --only tp_not_applied,dp_offset_off_by_one
+    python tests/mutation/run.py --list          # the catalogue, nothing run
+    python tests/mutation/run.py --markdown docs/mutation_check.md
 
 Each mutant is one exact text replacement in one product file. For each, the tracked tree is
 copied to a temporary folder, the replacement is applied there (the working tree is never
@@ -26,9 +26,9 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from mutants import MUTANTS, Mutant  # scripts/mutants.py, next to this file
+from catalogue import MUTANTS, Mutant  # tests/mutation/catalogue.py, next to this file
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def tracked_files(root: Path) -> list[str]:
@@ -48,7 +48,7 @@ def mutated(mutant: Mutant, tree: Path) -> str:
     if found != 1:
         raise ValueError(
             f"mutant {mutant.name}: its text occurs {found} times in {mutant.path} (must be "
-            "once): update the catalogue in scripts/mutants.py to follow the code"
+            "once): update the catalogue in tests/mutation/catalogue.py to follow the code"
         )
     return text.replace(mutant.old, mutant.new)
 
