@@ -20,7 +20,7 @@ logger = logging.getLogger("meshtrain")
 def build_full_model(cfg, vocab_size: int | None):
     """The plain model, materialised on CPU and initialised as in every training layout."""
     from models import meta_model_for
-    from parallelisms.init_weights import materialize
+    from models.init_weights import materialize
 
     _, _, model = meta_model_for(cfg.model, cfg.training.seq_len, vocab_size, CheckpointError)
     return materialize(model, cfg.debug.seed, "cpu")

@@ -8,7 +8,7 @@ the cheap elementwise ops (norms, SiLU, RoPE, residual adds).
 Blocks are wrapped with `checkpoint_wrapper` (the `model.layers` keys stay). `state_dict()`
 and DCP's `get_model_state_dict` drop the wrapper's `_checkpoint_wrapped_module.` prefix, so
 checkpoint keys are the plain FQNs; `named_parameters()` still shows it, and
-`parallelisms.init_weights.canonical_name` strips it where raw names are used.
+`models.init_weights.canonical_name` strips it where raw names are used.
 """
 
 from __future__ import annotations

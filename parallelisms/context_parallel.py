@@ -6,7 +6,8 @@ CP rank r keeps chunks r and 2cp-1-r (Megatron's and torchtitan's "head-tail" or
 causal mask the work of a query grows with its position, so a plain split in cp pieces would
 give the last rank cp times the first's attention work; pairing an early chunk with a late one
 gives every rank the same number of (query, visible key) pairs. Each rank gets its tokens'
-global positions for RoPE (`sequence_inputs`).
+global positions for RoPE (`local_positions`, which `training.inputs.sequence_inputs` gives the
+model).
 
 Attention (`ContextParallelAttention`, swapped in for the shared attention core of
 models/attention.py): K and V are all-gathered over "cp" in every layer, before they are
@@ -14,8 +15,8 @@ repeated to the query heads (under grouped-query attention they are n_heads / n_
 smaller than the queries), and their gradients reduce-scattered back by the all-gather's
 backward (functional collectives, so it also runs inside compiled blocks). Causal attention
 needs no mask: each of the rank's chunks attends to the keys up to its end (`causal_chunks`).
-With `training.document_mask`, `sequence_inputs` builds the mask between the rank's queries
-and the gathered keys (causal in positions, within documents) once per micro-batch. This is
+With `training.document_mask`, `training.inputs.sequence_inputs` builds the mask between the
+rank's queries and the gathered keys (causal in positions, within documents) once per micro-batch. This is
 the all-gather K/V design Llama 3 describes; the gathered K/V of one layer live only until
 its backward (or are recomputed with activation checkpointing).
 
@@ -27,8 +28,6 @@ hold as many tokens.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -57,71 +56,6 @@ def local_positions(seq_len: int, cp_rank: int, cp: int, device=None) -> torch.T
 def gathered_positions(seq_len: int, cp: int, device=None) -> torch.Tensor:
     """Positions of the keys after the all-gather over "cp": rank 0's tokens, rank 1's, ..."""
     return torch.cat([local_positions(seq_len, r, cp, device) for r in range(cp)])
-
-
-def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """[batch, seq] document index of each token of packed sequences: a document ends with its
-    end-of-document token and the next token starts the next one (the data pipeline packs
-    [BOS] text [EOS], or text [EOS] for tokenizers without BOS)."""
-    ends = (tokens == eos_id).to(torch.int32)
-    return torch.cumsum(ends, dim=-1, dtype=torch.int32) - ends
-
-
-def attention_mask(
-    q_positions: torch.Tensor,
-    k_positions: torch.Tensor,
-    q_documents: torch.Tensor | None = None,
-    k_documents: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """[batch, 1, queries, keys] boolean: key j is visible to query i when it is at an earlier
-    or the same position and, given documents [batch, tokens], in the same document."""
-    visible = k_positions[None, None, :] <= q_positions[None, :, None]
-    if q_documents is not None:
-        visible = visible & (k_documents[:, None, :] == q_documents[:, :, None])
-    return visible.unsqueeze(1)
-
-
-@dataclass(frozen=True)
-class SequenceSplit:
-    """How this rank turns a loaded batch into model inputs: its CP shard of each sequence,
-    and the attention coordinates. `eos_id`: set with document masking."""
-
-    cp_rank: int = 0
-    cp: int = 1
-    eos_id: int | None = None
-
-    @property
-    def plain(self) -> bool:
-        """No CP and no document mask: the model's default causal attention."""
-        return self.cp == 1 and self.eos_id is None
-
-
-def sequence_inputs(
-    split: SequenceSplit, inputs: torch.Tensor, labels: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """(inputs, labels, model keyword arguments) of this rank for full sequences [batch, seq]:
-    under CP the rank's two chunks with their `positions` (for RoPE); with document masking
-    the `attention_mask` (between the rank's queries and the gathered keys under CP). Plain
-    layouts get the batch back unchanged and no keyword arguments; plain CP gets no mask
-    (`ContextParallelAttention` is causal chunk by chunk)."""
-    if split.plain:
-        return inputs, labels, {}
-    batch, seq = inputs.shape  # seq_len % (2 cp) == 0: checked with the config
-    documents = None if split.eos_id is None else document_ids(inputs, split.eos_id)
-    if split.cp == 1:  # document masking alone
-        positions = torch.arange(seq, device=inputs.device)
-        return (
-            inputs,
-            labels,
-            {"attention_mask": attention_mask(positions, positions, documents, documents)},
-        )
-    mine = local_positions(seq, split.cp_rank, split.cp, inputs.device)
-    kwargs = {"positions": mine.expand(batch, -1)}
-    if documents is not None:
-        keys = gathered_positions(seq, split.cp, inputs.device)
-        mask = attention_mask(mine, keys, documents[:, mine], documents[:, keys])
-        kwargs["attention_mask"] = mask
-    return inputs[:, mine], labels[:, mine], kwargs
 
 
 class ContextParallelAttention(nn.Module):

@@ -31,8 +31,8 @@ from collections.abc import Callable
 
 from torch import nn
 
+from models.mixed_precision import mixed_precision_dtypes
 from parallelisms.fsdp import FsdpUnit, apply_fsdp, fsdp_mesh
-from parallelisms.mixed_precision import mixed_precision_dtypes
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.zero import apply_zero
 

@@ -1,10 +1,11 @@
 """Tensor parallelism with sequence parallelism (Megatron-style), applied from a family's plan.
 
 A model family describes its TP plan as data (`TPPlan`: module path -> torch `ParallelStyle`,
-for the root modules and for every block of `model.layers`), in its own `parallelize.py`.
-This module applies any such plan and names no module of any model. After applying it, every
-parameter must be a DTensor on the TP mesh: one the plan left out is an error naming it (a
-plain tensor beside DTensors fails much later, at the first optimizer step, naming nothing),
+for the root modules and for every block of `model.layers`) in its own `plan.py`, registered
+as `ModelSpec.tp_plan`. This module applies any such plan and names no module of any model.
+After applying it, every parameter must be a DTensor on the TP mesh: one the plan left out is
+an error naming it (a plain tensor beside DTensors fails much later, at the first optimizer
+step, naming nothing),
 unless the plan lists its module under `REPLICATE`, which replicates it on the TP mesh.
 """
 
@@ -100,7 +101,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> nn.Module:
         raise ParallelismError(
             f"tensor parallelism: the model's TP plan covers no module of {len(missed)} "
             f"parameter(s): {', '.join(missed[:8])}{' ...' if len(missed) > 8 else ''}. Add "
-            "their modules to the family's TPPlan (models/<name>/parallelize.py), with "
+            "their modules to the family's TPPlan (models/<name>/plan.py), with "
             "tensor_parallel.REPLICATE for parameters every rank keeps whole."
         )
     return model

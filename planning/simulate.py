@@ -27,8 +27,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from models.mixed_precision import in_weight_dtype, mixed_precision_dtypes
 from parallelisms.decoder import parallelize_decoder, pipeline_decoder
-from parallelisms.mixed_precision import in_weight_dtype, mixed_precision_dtypes
 from parallelisms.parallel_dims import ParallelDims
 from planning.communication import Experts
 from planning.memory import GIB, rank_activations

@@ -28,8 +28,8 @@ def build_model(cfg, args):
     import torch
 
     from models import get_model_spec
-    from parallelisms.init_weights import init_weights
-    from parallelisms.mixed_precision import in_weight_dtype
+    from models.init_weights import init_weights
+    from models.mixed_precision import in_weight_dtype
 
     with torch.device("meta"):  # float64 weights in the float64 mode, as train.py's
         model = in_weight_dtype(get_model_spec(cfg.model.name).model_cls(args), cfg.training)

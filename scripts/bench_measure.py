@@ -71,7 +71,7 @@ def machine() -> dict:
 def compute_dtype(overrides: list[str]):
     """The matmul dtype train.py will compute in with these overrides on this machine."""
     from job_config import parse_args
-    from parallelisms.mixed_precision import mixed_precision_dtypes
+    from models.mixed_precision import mixed_precision_dtypes
     from training.distributed import device_type
 
     cfg = parse_args(overrides)

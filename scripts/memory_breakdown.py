@@ -77,7 +77,7 @@ def training_step(cfg, dims, device):
     import torch
 
     from models import model_args_for
-    from parallelisms.context_parallel import sequence_inputs
+    from training.inputs import sequence_inputs
     from training.loss import cross_entropy_sum
     from training.optimizer import build_optimizer
     from training.step import StepSetup, clip_grad_norm_, train_step

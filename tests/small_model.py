@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from models.init_weights import init_weights
 from models.llama3 import ModelArgs, Transformer
-from parallelisms.init_weights import init_weights
 
 ARGS = ModelArgs(
     dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=16

@@ -16,10 +16,10 @@ import torch.distributed as dist
 
 from job_config import JobConfig
 from metrics import MetricsLogger, peak_memory_gib, reset_peak_memory, throughput
-from parallelisms.context_parallel import sequence_inputs
-from parallelisms.memory_report import memory_report
+from metrics.memory_report import memory_report
+from metrics.profiling import MemorySnapshot, PhaseTimer, Profiler
 from parallelisms.parallel_dims import ParallelDims
-from training.profiling import MemorySnapshot, PhaseTimer, Profiler
+from training.inputs import sequence_inputs
 from training.step import StepSetup, clip_grad_norm_, global_mean, train_step
 from training.validate import evaluate
 
@@ -151,7 +151,7 @@ def maybe_inject_failure(cfg: JobConfig, step: int, rank: int, world_size: int) 
 def next_microbatches(run: Run) -> list[tuple[torch.Tensor, torch.Tensor, dict]]:
     """This rank's (inputs, labels, model keyword arguments) for every micro-step of the
     optimizer step, on the device: its CP shard of the sequences, and the attention
-    coordinates (see parallelisms.context_parallel.sequence_inputs)."""
+    coordinates (see training.inputs.sequence_inputs)."""
     micro = []
     for _ in range(run.accum_steps):
         inputs, labels = next(run.data_iter)

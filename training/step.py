@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from models.numerics import at_least_float32, at_least_float32_dtype
-from parallelisms.context_parallel import SequenceSplit
+from training.inputs import SequenceSplit
 
 
 @dataclass

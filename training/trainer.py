@@ -18,14 +18,15 @@ from data.sample_corpus import default_cache_dir
 from data.tokenizer import build_tokenizer
 from job_config import JobConfig
 from metrics import MetricsLogger, device_peak_flops, flops_per_token
+from metrics.layout_record import built_layout, summarize, write_layout
 from metrics.memory import process_rss_gib
+from metrics.profiling import MemorySnapshot, PhaseTimer, Profiler
 from models import get_model_spec, model_args_for
+from models.init_weights import materialize
+from models.mixed_precision import in_weight_dtype, mixed_precision_dtypes, weight_dtype
 from parallelisms.compile import key_compile_caches_to_rank, maybe_compile_loss
-from parallelisms.context_parallel import SequenceSplit, apply_context_parallel
+from parallelisms.context_parallel import apply_context_parallel
 from parallelisms.decoder import parallelize_decoder, pipeline_decoder
-from parallelisms.init_weights import materialize
-from parallelisms.layout_record import built_layout, summarize, write_layout
-from parallelisms.mixed_precision import in_weight_dtype, mixed_precision_dtypes, weight_dtype
 from parallelisms.parallel_dims import ParallelDims, log_mesh
 from training.distributed import (
     init_process_group,
@@ -33,6 +34,7 @@ from training.distributed import (
     seed_everything,
     set_collective_timeout,
 )
+from training.inputs import SequenceSplit
 from training.loop import (
     NonFiniteError,
     Run,
@@ -45,7 +47,6 @@ from training.loop import (
 from training.loss import cross_entropy_sum
 from training.optimizer import build_lr_scheduler, build_optimizer
 from training.preflight import param_counts
-from training.profiling import MemorySnapshot, PhaseTimer, Profiler
 from training.step import StepSetup
 
 logger = logging.getLogger("meshtrain")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from parallelisms.context_parallel import sequence_inputs
+from training.inputs import sequence_inputs
 from training.loss import cross_entropy_sum
 from training.step import pipeline_call
 

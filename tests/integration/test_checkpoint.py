@@ -22,8 +22,8 @@ from checkpoint.storage import (
     step_dir,
 )
 from job_config import JobConfig
+from models.init_weights import init_weights
 from models.llama3.model import ModelArgs, Transformer
-from parallelisms.init_weights import init_weights
 from training.optimizer import build_lr_scheduler, build_optimizer
 
 ROOT = Path(__file__).resolve().parents[2]

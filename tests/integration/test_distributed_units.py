@@ -18,7 +18,7 @@ def _two_rank_checks(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    from parallelisms.memory_report import memory_report
+    from metrics.memory_report import memory_report
     from parallelisms.zero import apply_zero
     from training.step import clip_grad_norm_
 

@@ -141,7 +141,7 @@ MUTANTS = [
     Mutant(
         "init_seed_depends_on_rank",
         "initial weights drawn from a seed that depends on the rank",
-        "parallelisms/init_weights.py",
+        "models/init_weights.py",
         "gen = torch.Generator(device=where).manual_seed(param_seed(seed, name))",
         "gen = torch.Generator(device=where).manual_seed(\n"
         "            param_seed(seed + torch.distributed.get_rank(), name)\n        )",
@@ -166,7 +166,7 @@ MUTANTS = [
     Mutant(
         "tied_weights_not_retied",
         "shared (tied) parameters not tied again after materialisation (to_empty unties them)",
-        "parallelisms/init_weights.py",
+        "models/init_weights.py",
         '    if hasattr(model, "tie_weights"):\n        model.tie_weights()\n',
         "",
         (f"{CONTRACT}::test_tied_weights_survive_materialisation",),
@@ -243,7 +243,7 @@ MUTANTS = [
     Mutant(
         "cp_local_rope_positions",
         "CP: RoPE uses each rank's local positions 0..seq/cp-1 instead of its tokens' global ones",
-        "parallelisms/context_parallel.py",
+        "training/inputs.py",
         'kwargs = {"positions": mine.expand(batch, -1)}',
         'kwargs = {"positions": torch.arange(len(mine), device=inputs.device).expand(batch, -1)}',
         (

@@ -12,15 +12,12 @@ from models.attention import attend
 from models.llama3.model import ModelArgs, Transformer
 from models.qwen3.model import Qwen3, Qwen3Args
 from parallelisms.context_parallel import (
-    SequenceSplit,
     apply_context_parallel,
-    attention_mask,
     causal_chunks,
-    document_ids,
     gathered_positions,
     local_positions,
-    sequence_inputs,
 )
+from training.inputs import SequenceSplit, attention_mask, document_ids, sequence_inputs
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])

@@ -16,10 +16,10 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from job_config import parse_args
+from metrics.memory_report import memory_report
 from models import arg_overrides, build_model_args, get_model_spec, model_args_for
+from models.init_weights import materialize
 from parallelisms.decoder import parallelize_decoder
-from parallelisms.init_weights import materialize
-from parallelisms.memory_report import memory_report
 from parallelisms.parallel_dims import ParallelDims
 from planning.advise import Workload, advise, analytic_activations, analytic_memory, fits
 from planning.communication import (
@@ -639,7 +639,8 @@ def test_cp_attention_terms_equal_what_autograd_saves_on_cpu():
     counted.)"""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from parallelisms.context_parallel import SequenceSplit, apply_context_parallel, sequence_inputs
+    from parallelisms.context_parallel import apply_context_parallel
+    from training.inputs import SequenceSplit, sequence_inputs
 
     s, cp, b = 1024, 4, 1
     local = s // cp

@@ -12,8 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from job_config import parse_args
 from models import get_model_spec, model_args_for
-from parallelisms.init_weights import materialize
-from parallelisms.mixed_precision import in_weight_dtype, mixed_precision_dtypes, weight_dtype
+from models.init_weights import materialize
+from models.mixed_precision import in_weight_dtype, mixed_precision_dtypes, weight_dtype
 from training.loss import cross_entropy_sum
 from training.step import StepSetup, clip_grad_norm_, train_step
 

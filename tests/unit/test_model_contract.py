@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from models import get_model_spec
+from models.init_weights import materialize
 from models.qwen3 import Qwen3, Qwen3Args, flavors
 from models.qwen3.hf import args_from_hf_config, from_hf_name, hf_config, to_hf_name
-from parallelisms.init_weights import materialize
 
 ROOT = Path(__file__).resolve().parents[2]
 transformers = pytest.importorskip("transformers")

@@ -41,10 +41,10 @@ from torch.distributed.checkpoint import FileSystemReader
 from checkpoint.state import COMPONENTS
 from job_config import JobConfig, parse_args
 from job_config.schema import config_sections
+from metrics.layout_record import _rank_view
 from models import model_args_for
-from parallelisms.context_parallel import sequence_inputs
-from parallelisms.layout_record import _rank_view
 from parallelisms.parallel_dims import ParallelDims
+from training.inputs import sequence_inputs
 from training.launch import prepare
 from training.loop import TrainState, is_log_step, maybe_inject_failure, optimizer_step
 from training.trainer import (

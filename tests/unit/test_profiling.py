@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from training.profiling import PhaseTimer, _minus, _union, comm_breakdown
+from metrics.profiling import PhaseTimer, _minus, _union, comm_breakdown
 
 ROOT = Path(__file__).resolve().parents[2]
 

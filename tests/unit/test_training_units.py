@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from job_config import parse_args
+from models.init_weights import init_weights
 from models.llama3 import ModelArgs, Transformer
-from parallelisms.init_weights import init_weights
 from training.loss import cross_entropy_sum
 from training.optimizer import build_lr_scheduler, build_optimizer, lr_factor, param_groups
 from training.step import StepSetup, clip_grad_norm_, train_step
@@ -204,8 +204,8 @@ def test_log_window_record_averages_the_steps_since_the_last_log(tmp_path):
     from types import SimpleNamespace
 
     from metrics import MetricsLogger
+    from metrics.profiling import PhaseTimer
     from training.loop import LogWindow, TrainState, log_window
-    from training.profiling import PhaseTimer
 
     cfg = parse_args(["--compile.enable", "false"])
     metrics = MetricsLogger(str(tmp_path), 0, enable_tensorboard=False, console=False)

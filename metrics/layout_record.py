@@ -21,9 +21,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from metrics.memory_report import param_bytes
+from models.init_weights import canonical_name
 from parallelisms.context_parallel import ContextParallelAttention
-from parallelisms.init_weights import canonical_name
-from parallelisms.memory_report import param_bytes
 from parallelisms.parallel_dims import ParallelDims
 
 LAYOUT_FILE_NAME = "layout.json"
