@@ -32,7 +32,7 @@ def check_config(cfg: JobConfig, world_size: int) -> ParallelDims:
     problems = Problems(ConfigError, ParallelismError)
     problems.run(validate, cfg)  # again after parse_args: cheap, and the launch skips it there
     try:  # an unknown model name or flavor
-        args = model_args_for(cfg.model, cfg.training.seq_len, None)
+        args = model_args_for(cfg, cfg.training.seq_len, None)
     except ValueError as e:
         problems.add(str(e))
         args = None
@@ -96,6 +96,15 @@ def _check_model(cfg: JobConfig, args, problems: Problems) -> None:
             f"parallelism.expert_parallel_degree = {p.expert_parallel_degree}: model.name = "
             f"'{cfg.model.name}' has no experts. Use a mixture-of-experts family (qwen3_moe) "
             "or expert_parallel_degree = 1."
+        )
+    if spec.routing is None:  # the [moe] options the args take are refused by model_args_for
+        report_unused(
+            problems,
+            cfg,
+            ["moe.idle_warn_steps"],
+            ["model.name"],
+            f"model.name = '{cfg.model.name}' has no experts",
+            "use a family with experts",
         )
     ac = cfg.activation_checkpoint
     problems.run(
@@ -176,7 +185,7 @@ def dry_run(cfg: JobConfig) -> None:
         from data.tokenizer import build_tokenizer
 
         vocab = build_tokenizer(cfg.model.tokenizer_path).vocab_size
-    spec, args, model = meta_model_for(cfg.model, cfg.training.seq_len, vocab, ConfigError)
+    spec, args, model = meta_model_for(cfg, cfg.training.seq_len, vocab, ConfigError)
     counts = param_counts(spec, model)
     fpt = flops_per_token(
         counts.flops_params, args.n_layers, args.n_heads, args.head_dim, args.max_seq_len
