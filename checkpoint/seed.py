@@ -22,7 +22,7 @@ def build_full_model(cfg, vocab_size: int | None):
     from models import meta_model_for
     from models.init_weights import materialize
 
-    _, _, model = meta_model_for(cfg.model, cfg.training.seq_len, vocab_size, CheckpointError)
+    _, _, model = meta_model_for(cfg, cfg.training.seq_len, vocab_size, CheckpointError)
     return materialize(model, cfg.debug.seed, "cpu")
 
 

@@ -328,11 +328,11 @@ def validate(cfg: JobConfig) -> None:
             problems.add(
                 f"compile.components contains '{comp}': allowed entries are 'model' and 'loss'."
             )
-    for key in ("moe_aux_loss_coeff", "moe_bias_update_rate", "moe_z_loss_coeff"):
-        value = getattr(cfg.model, key)
+    for key in ("aux_loss_coeff", "bias_update_rate", "z_loss_coeff"):
+        value = getattr(cfg.moe, key)
         if -1 < value < 0:
             problems.add(
-                f"model.{key} = {value}: use -1 (the flavor's value), 0 (off) or a positive weight."
+                f"moe.{key} = {value}: use -1 (the flavor's value), 0 (off) or a positive weight."
             )
     cp = cfg.parallelism.context_parallel_degree
     if cp > 1 and cfg.training.seq_len % (2 * cp):

@@ -19,7 +19,7 @@ from typing import Any, Literal, get_args, get_origin
 
 from job_config.checks import ignored_options, validate
 from job_config.problems import ConfigError
-from job_config.schema import JobConfig, config_sections
+from job_config.schema import MOVED_OPTIONS, JobConfig, config_sections
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -153,6 +153,13 @@ def _set(cfg: JobConfig, section: str, key: str, value: Any, source: str) -> Non
     sec_obj = getattr(cfg, section)
     keys = _fields(sec_obj)
     if key not in keys:
+        moved = MOVED_OPTIONS.get(f"{section}.{key}")
+        if moved:
+            raise ConfigError(
+                f"Config key '{section}.{key}' in {source} has moved to '{moved}': write it "
+                f"as --{moved} on the command line, or as [{moved.partition('.')[0]}] "
+                f"{moved.partition('.')[2]} = ... in a preset."
+            )
         full = [f"{section}.{k}" for k in keys]
         raise ConfigError(
             f"Unknown config key '{section}.{key}' in {source}."

@@ -61,18 +61,33 @@ class Model:
     n_layers: int = opt(0, "Override the flavor's number of layers (0 = the flavor's)", ge=0)
     n_heads: int = opt(0, "Override the flavor's attention heads (0 = the flavor's)", ge=0)
     n_kv_heads: int = opt(0, "Override the flavor's key/value heads (0 = the flavor's)", ge=0)
-    # Mixture-of-experts options (families with experts; -1 = the flavor's value).
-    moe_aux_loss_coeff: float = opt(
-        -1.0, "MoE load-balancing loss weight over the global micro-batch (0 = off)", ge=-1
-    )
-    moe_bias_update_rate: float = opt(
-        -1.0, "MoE aux-loss-free balancing: per-step bias change (DeepSeek-V3; 0 = off)", ge=-1
-    )
-    moe_z_loss_coeff: float = opt(-1.0, "MoE router z-loss weight (0 = off)", ge=-1)
     rope_scaling: Literal["flavor", "none", "llama3"] = opt(
         "flavor",
-        "RoPE frequency scaling: flavor = the flavor's (Llama 3.1's llama3 scaling for 8B, "
-        "70B, 405B), none (Llama 3.0 weights), llama3",
+        "RoPE frequency scaling, for families whose args have a use_scaled_rope field (the "
+        "others refuse any value but flavor): flavor = the flavor's, none = unscaled, else "
+        "the low-frequency scaling of that name (Hugging Face's rope_type)",
+    )
+
+
+@dataclass
+class MoE:
+    """Mixture-of-experts options: families with experts only (a set value is refused for a
+    family without); -1 = the flavor's value."""
+
+    aux_loss_coeff: float = opt(
+        -1.0,
+        "Load-balancing loss weight over the global micro-batch (-1 = the flavor's, 0 = off)",
+        ge=-1,
+    )
+    bias_update_rate: float = opt(
+        -1.0,
+        "Aux-loss-free balancing: per-step router bias change (DeepSeek-V3; -1 = the "
+        "flavor's, 0 = off)",
+        ge=-1,
+    )
+    z_loss_coeff: float = opt(-1.0, "Router z-loss weight (-1 = the flavor's, 0 = off)", ge=-1)
+    idle_warn_steps: int = opt(
+        100, "Warn when an expert has received no token for this many steps", ge=1
     )
 
 
@@ -84,9 +99,10 @@ class Optimizer:
     beta2: float = opt(0.95, "Adam beta2", ge=0, le=1)
     eps: float = opt(1e-8, "Adam epsilon", gt=0)
     weight_decay: float = opt(0.1, "Decoupled weight decay", ge=0)
-    no_decay_patterns: list[str] = opt(
-        ["norm", "tok_embeddings"],
-        "Parameters whose name contains one of these get no weight decay",
+    no_decay_patterns: list[str] | None = opt(
+        None,
+        "Parameters whose name contains one of these get no weight decay (None = the model "
+        "family's list, its ModelSpec.no_decay; [] = decay every parameter)",
     )
     implementation: Literal["auto", "fused", "foreach", "for-loop"] = opt(
         "auto", "AdamW kernel: auto = fused where torch has the kernel (CUDA, CPU), else foreach"
@@ -239,9 +255,6 @@ class Metrics:
     log_freq: int = opt(10, "Log metrics every this many steps", ge=1)
     enable_tensorboard: bool = opt(True, "Write TensorBoard event files")
     save_tb_folder: str = opt("tb", "TensorBoard folder, relative to job.dump_folder")
-    moe_idle_warn_steps: int = opt(
-        100, "MoE: warn when an expert has received no token for this many steps", ge=1
-    )
 
 
 @dataclass
@@ -325,6 +338,7 @@ class Provenance:
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
+    moe: MoE = field(default_factory=MoE)
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
@@ -340,6 +354,15 @@ class JobConfig:
     provenance: Provenance = field(
         default_factory=Provenance, repr=False, compare=False, metadata={"section": False}
     )
+
+
+# Options that moved: the old name -> the new one (the loader names the new one).
+MOVED_OPTIONS = {
+    "model.moe_aux_loss_coeff": "moe.aux_loss_coeff",
+    "model.moe_bias_update_rate": "moe.bias_update_rate",
+    "model.moe_z_loss_coeff": "moe.z_loss_coeff",
+    "metrics.moe_idle_warn_steps": "moe.idle_warn_steps",
+}
 
 
 def config_sections() -> tuple[str, ...]:

@@ -2,24 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-EMBEDDING_MODULE_NAME = "tok_embeddings"
+
+def _under(param_name: str, modules: Sequence[str]) -> bool:
+    """True if a parameter's qualified name lives under one of the named modules."""
+    return any(m in param_name.split(".")[:-1] for m in modules)
 
 
-def _is_embedding_name(param_name: str) -> bool:
-    """True if a parameter's qualified name lives under a ``tok_embeddings`` module."""
-    return EMBEDDING_MODULE_NAME in param_name.split(".")[:-1]
-
-
-def count_params(model: torch.nn.Module, exclude_embedding: bool = False) -> int:
+def count_params(model: torch.nn.Module, embeddings: Sequence[str] = ()) -> int:
     """Count the model's parameters (global element count).
 
     Works on meta-device models and on DTensor-sharded parameters (FSDP2/TP), whose
     ``numel()`` is already the global size. A parameter reachable under several names
-    (tied weights) is counted once. With ``exclude_embedding`` the parameters of the
-    ``tok_embeddings`` module are dropped, unless they are also used by another module
-    (an output projection tied to the embedding still does matmul work, so it is kept).
+    (tied weights) is counted once. The parameters of the ``embeddings`` modules (the
+    family's ``ModelSpec.embeddings``) are dropped, unless they are also used by another
+    module (an output projection tied to the embedding still does matmul work, so it is kept).
     """
     names_by_param: dict[int, list[str]] = {}
     params: dict[int, torch.nn.Parameter] = {}
@@ -29,7 +29,7 @@ def count_params(model: torch.nn.Module, exclude_embedding: bool = False) -> int
 
     total = 0
     for key, param in params.items():
-        if exclude_embedding and all(_is_embedding_name(n) for n in names_by_param[key]):
+        if embeddings and all(_under(n, embeddings) for n in names_by_param[key]):
             continue
         total += param.numel()
     return total

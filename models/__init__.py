@@ -75,18 +75,27 @@ def get_model_spec(name: str) -> ModelSpec:
     return MODELS[name]
 
 
-SHAPE_OVERRIDES = ("dim", "n_layers", "n_heads", "n_kv_heads")
-# mixture-of-experts options, -1 = the flavor's value (families without experts reject them)
-MOE_OVERRIDES = ("moe_aux_loss_coeff", "moe_bias_update_rate", "moe_z_loss_coeff")
+# The args fields a config sets (when not at its default), by the option that sets them:
+# shapes (0 = the flavor's), mixture-of-experts options (-1 = the flavor's) and RoPE scaling
+# ('flavor' = the flavor's). A family whose args lack a field refuses its option when set.
+SHAPE_OVERRIDES = {k: f"model.{k}" for k in ("dim", "n_layers", "n_heads", "n_kv_heads")}
+MOE_OVERRIDES = {
+    f"moe_{k}": f"moe.{k}" for k in ("aux_loss_coeff", "bias_update_rate", "z_loss_coeff")
+}
+OVERRIDE_OPTIONS = {**SHAPE_OVERRIDES, **MOE_OVERRIDES, "use_scaled_rope": "model.rope_scaling"}
 
 
-def arg_overrides(model_cfg) -> dict[str, int | float | bool]:
-    """The `[model]` overrides that are set (shapes non-zero, MoE options not -1, rope_scaling
-    not 'flavor'), for `build_model_args`."""
-    out = {k: getattr(model_cfg, k) for k in SHAPE_OVERRIDES if getattr(model_cfg, k, 0)}
-    out |= {k: getattr(model_cfg, k) for k in MOE_OVERRIDES if getattr(model_cfg, k, -1) >= 0}
-    if model_cfg.rope_scaling != "flavor":
-        out["use_scaled_rope"] = model_cfg.rope_scaling == "llama3"
+def arg_overrides(cfg) -> dict[str, int | float | bool]:
+    """The args fields a JobConfig sets (`[model]` shapes non-zero, `[moe]` options not -1,
+    model.rope_scaling not 'flavor'), for `build_model_args`."""
+    model, moe = cfg.model, cfg.moe
+    out = {k: getattr(model, k) for k in SHAPE_OVERRIDES if getattr(model, k)}
+    for field, option in MOE_OVERRIDES.items():
+        value = getattr(moe, option.partition(".")[2])
+        if value >= 0:
+            out[field] = value
+    if model.rope_scaling != "flavor":
+        out["use_scaled_rope"] = model.rope_scaling == "llama3"
     return out
 
 
@@ -109,9 +118,12 @@ def build_model_args(
     fields = {f.name for f in dataclasses.fields(base)}
     unknown = sorted(set(overrides or {}) - fields)
     if unknown:
+        options = [OVERRIDE_OPTIONS.get(k, k) for k in unknown]
         raise ValueError(
-            f"model.name = '{name}' has no {', '.join(unknown)} (set by the [model] section's "
-            "overrides): drop them for this family."
+            f"model.name = '{name}' has no {', '.join(unknown)} (the args field set by "
+            f"{', '.join(options)}), so {'it' if len(options) == 1 else 'they'} would be "
+            f"ignored: leave {', '.join(options)} at the default (0 for shapes, -1 for [moe], "
+            "'flavor' for model.rope_scaling) for this family, or drop it."
         )
     args = dataclasses.replace(base, max_seq_len=seq_len, **(overrides or {}))
     if vocab_size is not None:
@@ -119,21 +131,21 @@ def build_model_args(
     return args
 
 
-def model_args_for(model_cfg, seq_len: int, vocab_size: int | None = None):
-    """`build_model_args` for a config's `[model]` section (name, flavor, shape overrides)."""
+def model_args_for(cfg, seq_len: int, vocab_size: int | None = None):
+    """`build_model_args` for a JobConfig (`[model]` name, flavor, overrides; `[moe]`)."""
     return build_model_args(
-        model_cfg.name, model_cfg.flavor, seq_len, vocab_size, arg_overrides(model_cfg)
+        cfg.model.name, cfg.model.flavor, seq_len, vocab_size, arg_overrides(cfg)
     )
 
 
-def meta_model_for(model_cfg, seq_len: int, vocab_size: int | None, error: type[Exception]):
-    """(spec, model args, the whole model on the meta device: shapes only) of a config's
-    `[model]` section; a flavor or shape that `model_args_for` refuses raises `error`."""
+def meta_model_for(cfg, seq_len: int, vocab_size: int | None, error: type[Exception]):
+    """(spec, model args, the whole model on the meta device: shapes only) of a JobConfig's
+    model; a flavor or override that `model_args_for` refuses raises `error`."""
     import torch
 
-    spec = get_model_spec(model_cfg.name)
+    spec = get_model_spec(cfg.model.name)
     try:
-        args = model_args_for(model_cfg, seq_len, vocab_size)
+        args = model_args_for(cfg, seq_len, vocab_size)
     except ValueError as e:
         raise error(str(e)) from None
     with torch.device("meta"):

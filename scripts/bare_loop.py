@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     folder = Path(cfg.job.dump_folder)
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.debug.seed)
-    args = model_args_for(cfg.model, cfg.training.seq_len, vocab_size(cfg))
+    args = model_args_for(cfg, cfg.training.seq_len, vocab_size(cfg))
     model = build_model(cfg, args)
     dtype = compute_dtype(argv)  # bf16 compute: plain PyTorch's way is autocast
     with open(folder / "metrics.jsonl", "w") as out:

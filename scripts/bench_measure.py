@@ -45,7 +45,7 @@ def estimated_mib(row: Row, ns, extra: list[str]) -> float | None:
     from planning.simulate import simulate
 
     cfg = parse_args(["--config", ns.config, *extra, *row.args])
-    args = model_args_for(cfg.model, cfg.training.seq_len, vocab_size(cfg))
+    args = model_args_for(cfg, cfg.training.seq_len, vocab_size(cfg))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     plan = simulate(get_model_spec(cfg.model.name), args, cfg, row.nproc, device_type=device)
     return plan.ranks[0].states / 2**20
@@ -127,10 +127,11 @@ def flops_per_token(overrides: list[str]) -> tuple[float, int]:
     from models import get_model_spec, model_args_for
 
     cfg = parse_args(overrides)
-    args = model_args_for(cfg.model, cfg.training.seq_len, vocab_size(cfg))
+    args = model_args_for(cfg, cfg.training.seq_len, vocab_size(cfg))
+    spec = get_model_spec(cfg.model.name)
     with torch.device("meta"):
-        model = get_model_spec(cfg.model.name).model_cls(args)
-    n = count_params(model, exclude_embedding=True)
+        model = spec.model_cls(args)
+    n = count_params(model, spec.embeddings)
     return fpt(n, args.n_layers, args.n_heads, args.head_dim, cfg.training.seq_len), count_params(
         model
     )

@@ -52,7 +52,7 @@ def count(args, name: str = "llama3") -> tuple[int, int]:
         model = spec.model_cls(args)
     if spec.routing is not None:
         return count_params(model), spec.routing.active_params(model)
-    return count_params(model), count_params(model, exclude_embedding=True)
+    return count_params(model), count_params(model, spec.embeddings)
 
 
 def report(
@@ -70,7 +70,7 @@ def report(
     t0 = time.perf_counter()
     plan = simulate(
         spec,
-        model_args_for(cfg.model, cfg.training.seq_len),
+        model_args_for(cfg, cfg.training.seq_len),
         cfg,
         world_size,
         device_type=device_type,
@@ -127,7 +127,7 @@ def exercise_1() -> str:
 def advise_report(cfg: JobConfig, cluster: Cluster, global_batch: int, verify: bool = True) -> str:
     """The proposed mesh for `cfg`'s model on `cluster`, every candidate tried, why, and (with
     `verify`) the proposal's per-rank table from the real parallelize functions."""
-    args = model_args_for(cfg.model, cfg.training.seq_len)
+    args = model_args_for(cfg, cfg.training.seq_len)
     n, n_no_emb = count(args, cfg.model.name)
     t, spec = cfg.training, get_model_spec(cfg.model.name)
     work = Workload(

@@ -79,7 +79,7 @@ def training_step(cfg, dims, device):
     from models import model_args_for
     from training.inputs import sequence_inputs
     from training.loss import cross_entropy_sum
-    from training.optimizer import build_optimizer
+    from training.optimizer import build_optimizer, no_decay_patterns
     from training.step import StepSetup, clip_grad_norm_, train_step
     from training.trainer import (
         build_model_parts,
@@ -90,7 +90,7 @@ def training_step(cfg, dims, device):
 
     t = cfg.training
     tokenizer = load_tokenizer(cfg)
-    model_args = model_args_for(cfg.model, t.seq_len, tokenizer.vocab_size)
+    model_args = model_args_for(cfg, t.seq_len, tokenizer.vocab_size)
     split = sequence_split(cfg, dims, tokenizer)  # this rank's CP shard of each sequence
     tokens = t.local_batch_size * t.seq_len // dims.cp
 
@@ -98,7 +98,7 @@ def training_step(cfg, dims, device):
         return cross_entropy_sum(logits, labels) / tokens
 
     parts, _, _, _ = build_model_parts(cfg, dims, model_args, device, loss_fn)
-    optimizer = build_optimizer(parts, cfg.optimizer, device.type)
+    optimizer = build_optimizer(parts, cfg.optimizer, device.type, no_decay_patterns(cfg))
     loss_context, autocast = layout_forward_contexts(cfg, dims, device.type)
     setup = StepSetup(
         model_parts=parts,
@@ -133,7 +133,7 @@ def estimated_activations(cfg, world_size: int) -> int:
     from training.trainer import load_tokenizer
 
     dims = check_config(cfg, world_size)
-    args = model_args_for(cfg.model, cfg.training.seq_len, load_tokenizer(cfg).vocab_size)
+    args = model_args_for(cfg, cfg.training.seq_len, load_tokenizer(cfg).vocab_size)
     spec = get_model_spec(cfg.model.name)
     act = rank_activations(cfg, args, dims, 0, args.n_layers, True, spec.block_activation_bytes)
     return int(act.total)

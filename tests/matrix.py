@@ -74,8 +74,8 @@ FAMILY_ARGS = {
     # the per-token z-loss and the bias balancing, not the load-balancing loss: that one is
     # over each micro-batch, which PP and accumulation cut differently from one process
     "qwen3_moe": ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel",
-                  "--model.moe_aux_loss_coeff", "0", "--model.moe_z_loss_coeff", "0.001",
-                  "--model.moe_bias_update_rate", "0.001", "--optimizer.lr", "1e-3"],
+                  "--moe.aux_loss_coeff", "0", "--moe.z_loss_coeff", "0.001",
+                  "--moe.bias_update_rate", "0.001", "--optimizer.lr", "1e-3"],
 }  # fmt: skip
 # what every run shares: the tiny shape (tests/tiny_model.toml) at 4 layers, 4 steps of the
 # same 8 sequences of 64 tokens per step

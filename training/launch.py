@@ -23,6 +23,7 @@ from job_config.checks import validate
 from models import import_families
 from parallelisms.parallel_dims import ParallelDims, ParallelismError
 from training.distributed import LaunchError, launch_env, pick_device, record_error
+from training.optimizer import no_decay_patterns
 from training.preflight import check_config, check_data_files, dry_run
 
 logger = logging.getLogger("meshtrain")
@@ -119,6 +120,8 @@ def prepare(argv: list[str]) -> Launch | None:
         create_seed_checkpoint(cfg, world_size)
         return None
     parallel_dims = check_config(cfg, world_size)
+    # the family's default resolved, so that the written config shows what the run uses
+    cfg.optimizer.no_decay_patterns = no_decay_patterns(cfg)
     check_data_files(cfg)  # here, not in check_config: dry runs plan without the data
     pick_device(cfg.training.device, local_rank)  # no GPU, or more ranks than GPUs
     return Launch(cfg, parallel_dims, rank, local_rank)

@@ -232,13 +232,13 @@ def log_window(run: Run, loss: torch.Tensor, grad_norm: torch.Tensor, step_lr: f
 
 def log_router(run: Run) -> None:
     """The MoE layers' statistics of the step (`kind: "router"`), from every pipeline stage,
-    and a warning for experts that went without tokens for `metrics.moe_idle_warn_steps`."""
+    and a warning for experts that went without tokens for `moe.idle_warn_steps`."""
     per_layer = run.routing.layer_stats(run.setup.model_parts)
     if run.pp_group is not None:
         stages = [None] * dist.get_world_size(run.pp_group)
         dist.all_gather_object(stages, per_layer, group=run.pp_group)
         per_layer = {k: v for stage in stages for k, v in stage.items()}
-    record, warnings = run.routing.summarize(per_layer, run.cfg.metrics.moe_idle_warn_steps)
+    record, warnings = run.routing.summarize(per_layer, run.cfg.moe.idle_warn_steps)
     run.metrics.log(run.state.step, record, kind="router")
     for warning in warnings if run.rank == 0 else ():
         logger.warning(warning)

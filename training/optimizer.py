@@ -8,6 +8,15 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from models import get_model_spec
+
+
+def no_decay_patterns(cfg) -> list[str]:
+    """A JobConfig's no-decay patterns: optimizer.no_decay_patterns, or when it is None the
+    model family's (`ModelSpec.no_decay`)."""
+    given = cfg.optimizer.no_decay_patterns
+    return list(get_model_spec(cfg.model.name).no_decay if given is None else given)
+
 
 def param_groups(model_parts: list[nn.Module], weight_decay: float, no_decay: list[str]):
     """Two groups: decayed weights, and parameters whose name contains a `no_decay` pattern.
@@ -34,8 +43,11 @@ def _fused_adam_devices() -> tuple[str, ...]:
     return tuple(_get_fused_kernels_supported_devices())
 
 
-def build_optimizer(model_parts: list[nn.Module], cfg, device_type: str) -> torch.optim.Optimizer:
-    """One optimizer over all local model parts (several with virtual pipeline stages)."""
+def build_optimizer(
+    model_parts: list[nn.Module], cfg, device_type: str, no_decay: list[str]
+) -> torch.optim.Optimizer:
+    """One optimizer over all local model parts (several with virtual pipeline stages), from
+    the `[optimizer]` section; `no_decay`: the resolved patterns (`no_decay_patterns`)."""
     impl = cfg.implementation
     if impl == "auto":  # one kernel per step: on CPU too it beats foreach (benchmarks/)
         impl = "fused" if device_type in _fused_adam_devices() else "foreach"
@@ -46,7 +58,7 @@ def build_optimizer(model_parts: list[nn.Module], cfg, device_type: str) -> torc
         "fused": impl == "fused",
         "foreach": impl == "foreach",
     }
-    groups = param_groups(model_parts, cfg.weight_decay, cfg.no_decay_patterns)
+    groups = param_groups(model_parts, cfg.weight_decay, no_decay)
     if cfg.name == "AdamW":
         return torch.optim.AdamW(groups, **kwargs)
     for g in groups:

@@ -32,7 +32,7 @@ def check_config(cfg: JobConfig, world_size: int) -> ParallelDims:
     problems = Problems(ConfigError, ParallelismError)
     problems.run(validate, cfg)  # again after parse_args: cheap, and the launch skips it there
     try:  # an unknown model name or flavor
-        args = model_args_for(cfg.model, cfg.training.seq_len, None)
+        args = model_args_for(cfg, cfg.training.seq_len, None)
     except ValueError as e:
         problems.add(str(e))
         args = None
@@ -83,6 +83,12 @@ def check_layout_options(cfg: JobConfig, dp: int, problems: Problems) -> None:
         )
 
 
+def _moe_families() -> str:
+    from models import all_model_specs
+
+    return ", ".join(n for n, s in all_model_specs().items() if s.routing is not None) or "none"
+
+
 def _check_model(cfg: JobConfig, args, problems: Problems) -> None:
     """The decoder checks every family needs and the family's own (its `validate`), experts for
     EP, and the pipeline split."""
@@ -94,8 +100,17 @@ def _check_model(cfg: JobConfig, args, problems: Problems) -> None:
     if p.expert_parallel_degree > 1 and spec.routing is None:
         problems.add(
             f"parallelism.expert_parallel_degree = {p.expert_parallel_degree}: model.name = "
-            f"'{cfg.model.name}' has no experts. Use a mixture-of-experts family (qwen3_moe) "
-            "or expert_parallel_degree = 1."
+            f"'{cfg.model.name}' has no experts. Use a mixture-of-experts family (one whose "
+            f"ModelSpec has routing hooks: {_moe_families()}) or expert_parallel_degree = 1."
+        )
+    if spec.routing is None:  # the [moe] options the args take are refused by model_args_for
+        report_unused(
+            problems,
+            cfg,
+            ["moe.idle_warn_steps"],
+            ["model.name"],
+            f"model.name = '{cfg.model.name}' has no experts",
+            "use a family with experts",
         )
     ac = cfg.activation_checkpoint
     problems.run(
@@ -160,7 +175,7 @@ def param_counts(spec, model) -> ParamCounts:
     from metrics.flops import count_params
 
     n = count_params(model)
-    n_no_emb = count_params(model, exclude_embedding=True)
+    n_no_emb = count_params(model, spec.embeddings)
     if spec.routing is None:
         return ParamCounts(n, n_no_emb)
     active_no_emb = spec.routing.active_params(model)
@@ -176,7 +191,7 @@ def dry_run(cfg: JobConfig) -> None:
         from data.tokenizer import build_tokenizer
 
         vocab = build_tokenizer(cfg.model.tokenizer_path).vocab_size
-    spec, args, model = meta_model_for(cfg.model, cfg.training.seq_len, vocab, ConfigError)
+    spec, args, model = meta_model_for(cfg, cfg.training.seq_len, vocab, ConfigError)
     counts = param_counts(spec, model)
     fpt = flops_per_token(
         counts.flops_params, args.n_layers, args.n_heads, args.head_dim, args.max_seq_len

@@ -45,7 +45,7 @@ from training.loop import (
     train_loop,
 )
 from training.loss import cross_entropy_sum
-from training.optimizer import build_lr_scheduler, build_optimizer
+from training.optimizer import build_lr_scheduler, build_optimizer, no_decay_patterns
 from training.preflight import param_counts
 from training.step import StepSetup
 
@@ -245,7 +245,7 @@ def build_loaders(cfg: JobConfig, tokenizer, dp_rank: int, dp_degree: int):
 def build_optimizers(cfg: JobConfig, model_parts: list[nn.Module], device_type: str):
     """(optimizer, LR scheduler) of the run: `[optimizer]` over every local model part, the
     `[lr_scheduler]` schedule over `training.steps` optimizer steps."""
-    optimizer = build_optimizer(model_parts, cfg.optimizer, device_type)
+    optimizer = build_optimizer(model_parts, cfg.optimizer, device_type, no_decay_patterns(cfg))
     return optimizer, build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
 
 
@@ -331,7 +331,7 @@ def build_run(cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, local_r
     log_mesh(parallel_dims)
     dp_rank, dp_degree = parallel_dims.coordinate("dp")
     tokenizer = load_tokenizer(cfg)
-    model_args = model_args_for(cfg.model, t.seq_len, tokenizer.vocab_size)
+    model_args = model_args_for(cfg, t.seq_len, tokenizer.vocab_size)
     batches = batch_sizes(cfg, dp_degree, parallel_dims.cp)
     step_loss = step_loss_fn(cfg, batches.tokens_per_rank_step)
     rss_before_model = process_rss_gib() if device.type == "cpu" else None

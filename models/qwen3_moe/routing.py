@@ -103,7 +103,7 @@ def summarize(per_layer: dict[str, dict[str, float]], idle_warn_steps: int):
         warnings.append(
             f"MoE: an expert of layer(s) {', '.join(idle)} has received no token for "
             f"{idle_warn_steps} or more steps (a dead expert): raise the load-balancing "
-            "(model.moe_aux_loss_coeff or model.moe_bias_update_rate) or lower the LR"
+            "(moe.aux_loss_coeff or moe.bias_update_rate) or lower the LR"
         )
     return record, warnings
 

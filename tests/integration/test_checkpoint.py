@@ -24,7 +24,7 @@ from checkpoint.storage import (
 from job_config import JobConfig
 from models.init_weights import init_weights
 from models.llama3.model import ModelArgs, Transformer
-from training.optimizer import build_lr_scheduler, build_optimizer
+from training.optimizer import build_lr_scheduler, build_optimizer, no_decay_patterns
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -91,7 +91,7 @@ class Run:
     def __init__(self, cfg, parts=None, **model_kw):
         self.cfg = cfg
         self.parts = parts or [make_model(**model_kw)]
-        self.opt = build_optimizer(self.parts, cfg.optimizer, "cpu")
+        self.opt = build_optimizer(self.parts, cfg.optimizer, "cpu", no_decay_patterns(cfg))
         self.sched = build_lr_scheduler(self.opt, cfg.lr_scheduler, cfg.training.steps)
         self.loader, self.progress = Loader(), Progress()
         self.ckpt = CheckpointManager(

@@ -40,7 +40,7 @@ from parity import (
 )
 
 QWEN3 = ("--model.name=qwen3", "--model.flavor=debugmodel_untied")
-MOE = ("--model.name=qwen3_moe", "--model.flavor=debugmodel", "--model.moe_aux_loss_coeff=0.01", "--optimizer.lr=1e-3")  # fmt: skip
+MOE = ("--model.name=qwen3_moe", "--model.flavor=debugmodel", "--moe.aux_loss_coeff=0.01", "--optimizer.lr=1e-3")  # fmt: skip
 DOC = "--training.document_mask=true"
 
 # Global batch 8 sequences everywhere. Every family and shape with and without document
@@ -77,7 +77,7 @@ LAYOUTS = table(
     # gathers run in a compiled region inside an eager per-op checkpoint) and per-op AC. The
     # load-balancing loss is off (under PP it is taken over a pipeline microbatch, not the
     # reference's batch); the per-token z-loss instead.
-    Layout("moe_cp2_pp2_compile_ac_op", 4, (*MOE, "--model.moe_aux_loss_coeff=0", "--model.moe_z_loss_coeff=0.001", "--parallelism.context_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2", "--compile.enable=true", "--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op"), "moe_z", MOE_FP32),
+    Layout("moe_cp2_pp2_compile_ac_op", 4, (*MOE, "--moe.aux_loss_coeff=0", "--moe.z_loss_coeff=0.001", "--parallelism.context_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2", "--compile.enable=true", "--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op"), "moe_z", MOE_FP32),
     # EP 2 drawn from the CP ranks (every CP pair one EP group), the experts FSDP-sharded over
     # the 2 data-parallel ranks: their gradients divided by dp x cp, as the dense weights'
     Layout("moe_ep2_cp2_doc", 4, (*MOE, "--parallelism.context_parallel_degree=2", "--parallelism.expert_parallel_degree=2", "--training.local_batch_size=4", DOC), "moe_doc", MOE_FP32),
@@ -96,7 +96,7 @@ REFERENCES = {
     "qwen3": QWEN3,
     "qwen3_doc": (*QWEN3, DOC),
     "moe_doc": (*MOE, DOC),
-    "moe_z": (*MOE, "--model.moe_aux_loss_coeff=0", "--model.moe_z_loss_coeff=0.001"),
+    "moe_z": (*MOE, "--moe.aux_loss_coeff=0", "--moe.z_loss_coeff=0.001"),
 }
 COMMON = ["--training.steps", str(STEPS), *CHECKPOINT_ARGS]
 

@@ -40,13 +40,13 @@ COMMON = ["--training.steps", str(STEPS), *CHECKPOINT_ARGS,
 MOE = ("--model.name=qwen3_moe", "--optimizer.lr=1e-3")  # lr: see test_moe_parity.py
 # PP splits a rank's batch into microbatches, each with its own load-balancing loss, so the
 # PP run and its reference use the per-token z-loss and the bias balancing instead
-Z_BIAS = ("--model.moe_aux_loss_coeff=0", "--model.moe_z_loss_coeff=0.001", "--model.moe_bias_update_rate=0.001")  # fmt: skip
+Z_BIAS = ("--moe.aux_loss_coeff=0", "--moe.z_loss_coeff=0.001", "--moe.bias_update_rate=0.001")  # fmt: skip
 
 # reference (one process): arguments
 REFERENCES = {
     "llama": (),
     "qwen3": ("--model.name=qwen3",),  # tied embeddings, QK-norm
-    "moe": (*MOE, "--model.moe_aux_loss_coeff=0.01"),
+    "moe": (*MOE, "--moe.aux_loss_coeff=0.01"),
     "moe_z_bias": (*MOE, *Z_BIAS),
 }
 LLAMA, QWEN3 = REFERENCES["llama"], REFERENCES["qwen3"]

@@ -30,7 +30,7 @@ def _run(tmp_path, nproc: int, *args: str) -> subprocess.CompletedProcess:
 
 def test_zero3_and_tp_peaks_hold_half_the_parameters_of_ddp_at_two_ranks(tmp_path):
     cfg = parse_args(["--config", str(TINY_CONFIG)])
-    args = model_args_for(cfg.model, cfg.training.seq_len, load_tokenizer(cfg).vocab_size)
+    args = model_args_for(cfg, cfg.training.seq_len, load_tokenizer(cfg).vocab_size)
     with torch.device("meta"):
         n_params = sum(p.numel() for p in get_model_spec("llama3").model_cls(args).parameters())
     kinds = {}

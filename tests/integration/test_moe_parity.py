@@ -32,9 +32,9 @@ from parity import (
 TOL = MOE_FP32  # measured: see tests/parity.py
 
 MOE = ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel",
-       "--model.moe_aux_loss_coeff", "0.01"]  # fmt: skip
-BIAS = ("--model.moe_bias_update_rate=0.001",)
-Z_ONLY = ("--model.moe_aux_loss_coeff=0", "--model.moe_z_loss_coeff=0.001", *BIAS)
+       "--moe.aux_loss_coeff", "0.01"]  # fmt: skip
+BIAS = ("--moe.bias_update_rate=0.001",)
+Z_ONLY = ("--moe.aux_loss_coeff=0", "--moe.z_loss_coeff=0.001", *BIAS)
 # lr 1e-3, not the dense tests' 3e-3: at 3e-3 the tiny model's loss spikes (grad norm 4-5 near
 # step 18) and a token whose top-2 choice is a near tie flips expert on a 1e-7 difference,
 # which the spike then amplifies past every tolerance (measured: 6e-4 in the grad norm); at 1e-3

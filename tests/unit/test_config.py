@@ -8,7 +8,7 @@ import pytest
 from job_config import ConfigError, JobConfig, config_notes, config_to_toml, help_text, parse_args
 from job_config.loader import CONFIGS_DIR
 from job_config.schema import config_sections
-from models import get_model_spec
+from models import all_model_specs, get_model_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,11 +32,61 @@ def test_llama31_presets_scale_rope_unless_told_otherwise():
 
     for name in ("llama3_8b", "llama3_70b", "llama3_405b"):
         cfg = parse_args(["--config", name])
-        assert model_args_for(cfg.model, 8192).use_scaled_rope, name  # Meta's 3.1 params.json
+        assert model_args_for(cfg, 8192).use_scaled_rope, name  # Meta's 3.1 params.json
         cfg = parse_args(["--config", name, "--model.rope_scaling", "none"])  # Llama 3.0
-        assert not model_args_for(cfg.model, 8192).use_scaled_rope, name
+        assert not model_args_for(cfg, 8192).use_scaled_rope, name
     debug = parse_args(["--config", "debug_model", "--model.rope_scaling", "llama3"])
-    assert model_args_for(debug.model, 256).use_scaled_rope
+    assert model_args_for(debug, 256).use_scaled_rope
+
+
+def test_rope_scaling_is_refused_for_a_family_without_the_args_field():
+    """model.rope_scaling sets the args field use_scaled_rope; a family whose args have none
+    refuses a value other than 'flavor' in the checks before any process group."""
+    from training.preflight import check_config
+
+    for name, spec in ((n, get_model_spec(n)) for n in ("llama3", "qwen3", "qwen3_moe")):
+        has_field = any(f == "use_scaled_rope" for f in vars(spec.flavors["debugmodel"]))
+        cfg = parse_args(["--model.name", name, "--model.rope_scaling", "none"])
+        if has_field:
+            check_config(cfg, 1)
+            continue
+        with pytest.raises(ConfigError) as e:
+            check_config(cfg, 1)
+        message = str(e.value)
+        assert f"model.name = '{name}' has no use_scaled_rope" in message
+        assert "model.rope_scaling" in message and "'flavor'" in message
+        check_config(parse_args(["--model.name", name]), 1)  # the default is fine
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("model.moe_aux_loss_coeff", "moe.aux_loss_coeff"),
+        ("model.moe_bias_update_rate", "moe.bias_update_rate"),
+        ("model.moe_z_loss_coeff", "moe.z_loss_coeff"),
+        ("metrics.moe_idle_warn_steps", "moe.idle_warn_steps"),
+    ],
+)
+def test_moved_moe_options_name_their_new_key(old, new, tmp_path):
+    with pytest.raises(ConfigError, match=f"'{old}' in the command line has moved to '{new}'"):
+        parse_args([f"--{old}", "1"])
+    section, _, key = old.partition(".")
+    preset = tmp_path / "old.toml"
+    preset.write_text(f"[{section}]\n{key} = 1\n")
+    with pytest.raises(ConfigError, match=f"'{old}' in .*old.toml has moved to '{new}'"):
+        parse_args(["--config", str(preset)])
+    cfg = parse_args([f"--{new}", "1"])
+    assert getattr(cfg.moe, new.partition(".")[2]) == 1
+
+
+def test_generic_schema_defaults_name_no_model():
+    """The no-decay default is the family's (ModelSpec.no_decay), and no option's help names
+    a registered family."""
+    assert JobConfig().optimizer.no_decay_patterns is None
+    families = {"llama", "qwen", *all_model_specs()}
+    for line in help_text().lower().splitlines():
+        if line.startswith("      "):  # a help line, not an option's name and default
+            assert not [f for f in families if f in line], line
 
 
 def test_overrides_of_every_type():

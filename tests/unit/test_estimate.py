@@ -39,7 +39,7 @@ from planning.memory import (
 )
 from planning.simulate import count_experts, gathered_elements, on_ep_mesh, simulate
 from training.loss import cross_entropy_sum
-from training.optimizer import build_optimizer
+from training.optimizer import build_optimizer, no_decay_patterns
 
 TINY = " ".join(TINY_SHAPE) + " --training.seq_len 32 --training.local_batch_size 2"
 
@@ -56,7 +56,7 @@ def _cfg(extra: str = ""):
 
 
 def _args(cfg):
-    return build_model_args(cfg.model.name, cfg.model.flavor, 32, None, arg_overrides(cfg.model))
+    return build_model_args(cfg.model.name, cfg.model.flavor, 32, None, arg_overrides(cfg))
 
 
 class CommCounter(TorchDispatchMode):
@@ -97,7 +97,7 @@ def _real_step(cfg, world: int, tp: int, zero: int, counter: CommCounter | None 
         with torch.device("meta"):
             model = spec.model_cls(_args(cfg))
         model = materialize(parallelize_decoder(model, spec, dims, cfg, "cpu"), 0, "cpu")
-        opt = build_optimizer([model], cfg.optimizer, "cpu")
+        opt = build_optimizer([model], cfg.optimizer, "cpu", no_decay_patterns(cfg))
         tokens, labels = torch.randint(0, 4096, (2, 32)), torch.randint(0, 4096, (2, 32))
         with counter if counter is not None else contextlib.nullcontext():
             with loss_parallel() if tp > 1 else contextlib.nullcontext():
@@ -296,7 +296,7 @@ def test_fsdp_buffer_of_llama3_8b_at_tp2_fsdp4_by_hand():
     vocab-sharded embedding and output) `_StridedShard` on the dp dim: they count as sharded."""
     cfg = parse_args("--config llama3_8b --parallelism.tensor_parallel_degree 2".split())
     spec = get_model_spec("llama3")
-    args = model_args_for(cfg.model, cfg.training.seq_len)
+    args = model_args_for(cfg, cfg.training.seq_len)
     rank = simulate(spec, args, cfg, 8, device_type="cuda", ranks=[0]).ranks[0]
     h, kv, f, v, tp = 4096, 1024, 14336, 128256, 2
     matrices = h * (h + kv + kv + h) + 3 * h * f  # all TP-sharded
@@ -432,7 +432,7 @@ def test_all_to_all_volume_by_hand():
 
 def test_count_experts_from_the_ep_sharded_parameters():
     cfg = _moe_cfg("--model.flavor 235B-A22B")
-    args = model_args_for(cfg.model, cfg.training.seq_len)
+    args = model_args_for(cfg, cfg.training.seq_len)
     experts = count_experts(get_model_spec("qwen3_moe"), args, cfg)
     assert experts == Experts(128, 8, 94, 94 * 128 * 3 * 4096 * 1536)
     assert count_experts(get_model_spec("llama3"), _args(_cfg()), _cfg()) is None
@@ -462,7 +462,7 @@ def test_advise_proposes_ep_inside_a_node_for_235b_on_8x8_gpus():
 
 def test_advise_search_for_235b_keeps_ep_groups_in_a_node_and_fits():
     cfg = _moe_cfg("--model.flavor 235B-A22B --training.seq_len 4096")
-    args = model_args_for(cfg.model, cfg.training.seq_len)
+    args = model_args_for(cfg, cfg.training.seq_len)
     spec = get_model_spec("qwen3_moe")
     experts = count_experts(spec, args, cfg)
     work = Workload(args, 235_093_634_560, 1.6e11, 4096, 1024, spec.block_activation_bytes, 4)

@@ -22,8 +22,8 @@ TINY = ["--config", "tests/tiny_model.toml", "--training.seq_len", "16"]
 FAMILIES = {
     "llama3": [],
     "qwen3": ["--model.name", "qwen3"],
-    "qwen3_moe": ["--model.name", "qwen3_moe", "--model.moe_aux_loss_coeff", "0.01",
-                  "--model.moe_z_loss_coeff", "0.001", "--model.moe_bias_update_rate", "0.001"],
+    "qwen3_moe": ["--model.name", "qwen3_moe", "--moe.aux_loss_coeff", "0.01",
+                  "--moe.z_loss_coeff", "0.001", "--moe.bias_update_rate", "0.001"],
 }  # fmt: skip
 
 
@@ -58,7 +58,7 @@ class _FloatDtypes(TorchDispatchMode):
 
 
 def _model(cfg):
-    args = model_args_for(cfg.model, cfg.training.seq_len, 256)
+    args = model_args_for(cfg, cfg.training.seq_len, 256)
     with torch.device("meta"):
         model = in_weight_dtype(get_model_spec(cfg.model.name).model_cls(args), cfg.training)
     return materialize(model, cfg.debug.seed, "cpu").train()

@@ -218,7 +218,8 @@ def _ep_cp(ep: int, cp: int) -> list[str]:
     ("argv", "world", "message"),
     [
         (["--parallelism.expert_parallel_degree", "2"], 2, "has no experts"),
-        (["--model.moe_aux_loss_coeff", "0.1"], 1, "has no moe_aux_loss_coeff"),
+        (["--moe.aux_loss_coeff", "0.1"], 1, "has no moe_aux_loss_coeff .*set by moe.aux_"),
+        (["--moe.idle_warn_steps", "5"], 1, "moe.idle_warn_steps set but .* has no experts"),
         ([*MOE_CLI, "--parallelism.expert_parallel_degree", "3"], 6, "must divide the 8 experts"),
         ([*MOE_CLI, "--parallelism.expert_parallel_degree", "4"], 2, "must divide the data-"),
         (

@@ -151,7 +151,7 @@ def vocab(case: Case) -> int:
 def model(case: Case) -> torch.nn.Module:
     """The whole model on meta, as `build_run` builds it (its RoPE table filled)."""
     cfg = case.cfg
-    m = meta_model(cfg, model_args_for(cfg.model, cfg.training.seq_len, vocab(case)))
+    m = meta_model(cfg, model_args_for(cfg, cfg.training.seq_len, vocab(case)))
     m.init_buffers("cpu")
     return m
 
@@ -159,7 +159,7 @@ def model(case: Case) -> torch.nn.Module:
 def real_parts(case: Case) -> list[torch.nn.Module]:
     """The one-process model parts `build_run` trains (materialised on the CPU)."""
     cfg = case.cfg
-    args = model_args_for(cfg.model, cfg.training.seq_len, vocab(case))
+    args = model_args_for(cfg, cfg.training.seq_len, vocab(case))
     dims = ParallelDims.from_parallelism(cfg.parallelism, 1)
     parts, *_ = build_model_parts(cfg, dims, args, torch.device("cpu"), lambda out, t: out.sum())
     return parts
@@ -201,7 +201,7 @@ def _build_layout(case: Case, world: int):
         dims = ParallelDims.from_parallelism(cfg.parallelism, world)
     except ValueError as e:
         return f"{type(e).__name__}: {str(e)[:40]}"
-    args = model_args_for(cfg.model, cfg.training.seq_len, vocab(case))
+    args = model_args_for(cfg, cfg.training.seq_len, vocab(case))
     with fake_world(world), mock.patch("torch.compile", fake_compile):
         dims.build_mesh("cpu")
         parts, schedule, _, _ = build_model_parts(
@@ -510,12 +510,13 @@ EFFECTS: dict[str, Effect] = {
     "model.n_kv_heads": Effect(
         "4", lambda c: model(c).layers["0"].attention.wk.weight.shape[0], 64
     ),
-    "model.moe_aux_loss_coeff": Effect("0.5", moe_coefficients, (0.5, 0.0, 0.0), MOE),
-    "model.moe_bias_update_rate": Effect("0.25", moe_coefficients, (0.001, 0.25, 0.0), MOE),
-    "model.moe_z_loss_coeff": Effect("0.125", moe_coefficients, (0.001, 0.0, 0.125), MOE),
     "model.rope_scaling": Effect(
         "llama3", lambda c: round(model(c).rope.float().abs().sum().item(), 3)
     ),
+    # [moe]
+    "moe.aux_loss_coeff": Effect("0.5", moe_coefficients, (0.5, 0.0, 0.0), MOE),
+    "moe.bias_update_rate": Effect("0.25", moe_coefficients, (0.001, 0.25, 0.0), MOE),
+    "moe.z_loss_coeff": Effect("0.125", moe_coefficients, (0.001, 0.0, 0.125), MOE),
     # [optimizer]
     "optimizer.name": Effect("Adam", lambda c: type(optimizer(c)[0]).__name__, "Adam"),
     "optimizer.lr": Effect("0.25", group("initial_lr"), 0.25),
@@ -718,7 +719,7 @@ LOGGING_ONLY: dict[str, str] = {
     "job.description": "free text written to the log at start",
     "metrics.enable_tensorboard": "writes TensorBoard event files beside metrics.jsonl",
     "metrics.save_tb_folder": "where the TensorBoard files go",
-    "metrics.moe_idle_warn_steps": "when a warning about idle experts is logged",
+    "moe.idle_warn_steps": "when a warning about idle experts is logged",
     "profiling.enable_profiling": "records profiler traces; the steps compute the same",
     "profiling.save_traces_folder": "where the traces go",
     "profiling.profile_freq": "which steps are traced",

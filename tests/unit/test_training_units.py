@@ -6,10 +6,17 @@ import pytest
 import torch
 
 from job_config import parse_args
+from models import get_model_spec
 from models.init_weights import init_weights
 from models.llama3 import ModelArgs, Transformer
 from training.loss import cross_entropy_sum
-from training.optimizer import build_lr_scheduler, build_optimizer, lr_factor, param_groups
+from training.optimizer import (
+    build_lr_scheduler,
+    build_optimizer,
+    lr_factor,
+    no_decay_patterns,
+    param_groups,
+)
 from training.step import StepSetup, clip_grad_norm_, train_step
 
 
@@ -64,8 +71,14 @@ def _tiny_model(seed=0):
 
 
 def test_no_weight_decay_on_norms_and_embeddings():
+    """The default config takes the family's patterns (its ModelSpec.no_decay); a list given
+    replaces them."""
+    patterns = no_decay_patterns(parse_args([]))
+    assert patterns == list(get_model_spec("llama3").no_decay)
+    assert no_decay_patterns(parse_args(["--optimizer.no_decay_patterns", "bias"])) == ["bias"]
+    assert no_decay_patterns(parse_args(["--optimizer.no_decay_patterns", "[]"])) == []
     m = _tiny_model()
-    decay, keep = param_groups([m], 0.1, ["norm", "tok_embeddings"])
+    decay, keep = param_groups([m], 0.1, patterns)
     names = {id(p): n for n, p in m.named_parameters()}
     assert all("norm" in names[id(p)] or "tok_embeddings" in names[id(p)] for p in keep["params"])
     assert {names[id(p)] for p in keep["params"]} >= {"tok_embeddings.weight", "norm.weight"}
@@ -83,7 +96,7 @@ def test_optimizer_kernels_agree_and_auto_is_fused_on_cpu(impl):
     opts = []
     for m, choice in ((ref, "fused"), (model, impl)):
         cfg = parse_args(["--optimizer.lr", "0.01", "--optimizer.implementation", choice])
-        opts.append(build_optimizer([m], cfg.optimizer, "cpu"))
+        opts.append(build_optimizer([m], cfg.optimizer, "cpu", no_decay_patterns(cfg)))
     assert opts[0].defaults["fused"] and not opts[0].defaults["foreach"]
     assert opts[1].defaults["fused"] == (impl == "auto")
     x = torch.randint(0, 64, (2, 17))
@@ -102,7 +115,7 @@ def _run_steps(batch_split, steps=3):
     data = torch.randint(0, 64, (steps, 8, 17))
     m = _tiny_model()
     cfg = parse_args(["--optimizer.lr", "0.01"])
-    opt = build_optimizer([m], cfg.optimizer, "cpu")
+    opt = build_optimizer([m], cfg.optimizer, "cpu", no_decay_patterns(cfg))
     tokens = 8 * 16
     setup = StepSetup(
         model_parts=[m],
