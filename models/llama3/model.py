@@ -1,10 +1,12 @@
 """Llama 3 in plain PyTorch: no parallelism, no trainer imports; fork this file freely.
 
-Layers live in a ModuleDict keyed by layer index, so a pipeline stage is this model with other
-layers deleted (and `tok_embeddings`/`norm`/`output` set to None) while checkpoint keys stay
-stable. Weights are created on any device (meta included); `init_param` says how each one is
-initialised and `init_buffers` fills the RoPE table, so the trainer can materialise and
-initialise the weights the same way under every layout.
+What is Llama's own: its args (SwiGLU width from `multiple_of` and the multiplier), RoPE in
+Meta's interleaved convention with Llama 3.1's frequency scaling, and its initialisation. The
+decoder shell, the grouped-query attention, SwiGLU and the pre-norm block are the ones every
+family shares (models/blocks.py): layers in a ModuleDict keyed by layer index, so a pipeline
+stage is this model with other layers deleted while checkpoint keys stay stable. Weights are
+created on any device (meta included); `init_param` says how each one is initialised and
+`init_buffers` fills the RoPE table, so every layout materialises the same weights.
 """
 
 from __future__ import annotations
@@ -13,11 +15,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from models.attention import ScaledDotProductAttention
-from models.numerics import at_least_float32, at_least_float32_dtype
+from models.blocks import Decoder, FeedForward, GroupedQueryAttention, PreNormBlock
+from models.numerics import at_least_float32
 
 
 @dataclass
@@ -111,100 +112,25 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return out.flatten(-2).type_as(x)
 
 
-class Attention(nn.Module):
-    """Grouped-query causal self-attention through scaled_dot_product_attention."""
+class Attention(GroupedQueryAttention):
+    """Grouped-query causal self-attention, Meta's interleaved RoPE."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
-        self.core = ScaledDotProductAttention()  # causal / masked SDPA over the heads
-
-    def forward(
-        self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        bs, seq, _ = x.shape
-        # -1 heads: under tensor parallelism each rank holds a slice of the heads.
-        q = self.wq(x).view(bs, seq, -1, self.head_dim)
-        k = self.wk(x).view(bs, seq, -1, self.head_dim)
-        v = self.wv(x).view(bs, seq, -1, self.head_dim)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
-        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
-        return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
+        super().__init__(args.dim, args.n_heads, args.n_kv_heads, args.head_dim, apply_rope)
 
 
-class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, dim: int, hidden_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-class TransformerBlock(nn.Module):
-    def __init__(self, layer_id: int, args: ModelArgs):
-        super().__init__()
-        self.layer_id = layer_id
-        self.attention = Attention(args)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
-        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-
-    def forward(
-        self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, mask)
-        return h + self.feed_forward(self.ffn_norm(h))
-
-
-class Transformer(nn.Module):
+class TransformerBlock(PreNormBlock):
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
+        super().__init__(
+            Attention(args), FeedForward(args.dim, args.ffn_hidden_dim), args.dim, args.norm_eps
         )
-        self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.register_buffer("rope", rope_table(args), persistent=False)
-        self.tie_weights()
 
-    def tie_weights(self) -> None:
-        """With `tie_embeddings` the output projection is the token embedding matrix."""
-        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
-            self.output.weight = self.tok_embeddings.weight
 
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """tokens [batch, seq] -> logits [batch, seq, vocab] (a pipeline stage may take and
-        return hidden states [batch, seq, dim] instead). `positions` [batch, seq]: each token's
-        position in its sequence, for RoPE (default 0..seq-1; a context-parallel rank holds
-        other positions); `attention_mask`: see models/attention.py (default causal)."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        rope = self.rope if positions is None else self.rope[positions]
-        for layer in self.layers.values():
-            h = layer(h, rope, attention_mask)
-        h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+class Transformer(Decoder):
+    rope_table = staticmethod(rope_table)
 
-    def init_buffers(self, device: torch.device | str) -> None:
-        """Fills the non-persistent RoPE table (after `to_empty` from the meta device), in the
-        dtype the model was built or cast in (at least float32)."""
-        dtype = at_least_float32_dtype(self.rope.dtype)
-        self.rope = rope_table(self.args, torch.device(device), dtype)
+    def __init__(self, args: ModelArgs):
+        super().__init__(args, [TransformerBlock(args) for _ in range(args.n_layers)])
 
     def init_param(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         """Initialises the full (unsharded) value of parameter `name` in place.

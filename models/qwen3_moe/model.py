@@ -37,22 +37,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.blocks import PreNormBlock
 from models.numerics import at_least_float32
-from models.qwen3.model import Attention, Qwen3
+from models.qwen3.model import Attention, Qwen3, Qwen3Shape
 
 
 @dataclass
-class Qwen3MoEArgs:
+class Qwen3MoEArgs(Qwen3Shape):
     dim: int = 2048
     n_layers: int = 48
     n_heads: int = 32
     n_kv_heads: int = 4
-    head_dim: int = 128
-    vocab_size: int = 151936
-    norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
     tie_embeddings: bool = False
-    max_seq_len: int = 4096
     n_experts: int = 128
     top_k: int = 8
     moe_ffn_dim: int = 768  # each expert's SwiGLU hidden size
@@ -62,22 +58,11 @@ class Qwen3MoEArgs:
     moe_z_loss_coeff: float = 0.0  # router z-loss (ST-MoE: 1e-3); 0 = off
     moe_grouped_mm: bool = True  # False: the per-expert loop (the reference)
 
-    def __post_init__(self) -> None:
-        problems = []
-        if self.head_dim % 2:
-            problems.append(f"head_dim = {self.head_dim} is odd (RoPE rotates pairs)")
-        if self.n_heads % self.n_kv_heads:
-            problems.append(
-                f"n_heads = {self.n_heads} is not a multiple of n_kv_heads = {self.n_kv_heads}"
-            )
+    def shape_problems(self) -> list[str]:
+        problems = super().shape_problems()
         if not 1 <= self.top_k <= self.n_experts:
             problems.append(f"top_k = {self.top_k} must be in 1..n_experts = {self.n_experts}")
-        if problems:
-            raise ValueError("model shape: " + "; ".join(problems) + ".")
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads
+        return problems
 
     @property
     def active_experts_share(self) -> float:
@@ -242,19 +227,11 @@ class MoE(nn.Module):
         return out
 
 
-class Block(nn.Module):
-    def __init__(self, args: Qwen3MoEArgs):
-        super().__init__()
-        self.attention = Attention(args)
-        self.moe = MoE(args)
-        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+class Block(PreNormBlock):
+    mlp_name = "moe"
 
-    def forward(
-        self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, mask)
-        return h + self.moe(self.ffn_norm(h))
+    def __init__(self, args: Qwen3MoEArgs):
+        super().__init__(Attention(args), MoE(args), args.dim, args.norm_eps)
 
 
 class Qwen3MoE(Qwen3):

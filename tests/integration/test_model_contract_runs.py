@@ -75,13 +75,14 @@ def test_a_family_registered_outside_the_tree_trains(tmp_path):
 
 def test_importing_the_contract_or_a_parallelism_registers_no_family():
     """Each family registers itself from its own package, when first asked for: importing the
-    contract, the registry or a parallelism imports none of them."""
+    contract, the registry or a parallelism imports none of them, nor the config loader."""
     code = (
         "import sys, models, models.contract, parallelisms.decoder, parallelisms.fsdp\n"
         "from models.contract import MODELS\n"
         "loaded = [m for m in sys.modules if m.split('.')[:2] in "
         "[['models', f] for f in models.builtin_families()]]\n"
         "assert not MODELS and not loaded, (MODELS, loaded)\n"
+        "assert 'job_config.loader' not in sys.modules, 'a parallelism loaded the config loader'\n"
         "assert models.get_model_spec('qwen3_moe').routing is not None\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
