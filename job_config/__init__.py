@@ -10,8 +10,8 @@ _HOMES = {
     "JobConfig": "job_config.schema",
     "config_notes": "job_config.checks",
     "validate": "job_config.checks",
-    "config_to_toml": "job_config.loader",
-    "help_text": "job_config.loader",
+    "config_to_toml": "job_config.serialize",
+    "help_text": "job_config.serialize",
     "parse_args": "job_config.loader",
 }
 

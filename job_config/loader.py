@@ -4,6 +4,7 @@ Everything is checked before any process group, model or data work: unknown sect
 keys (with the closest valid name suggested), wrong types and out-of-range values here,
 impossible combinations in `job_config/checks.py` (`validate`, run at the end of
 `parse_args`); each raises one `ConfigError` naming the key, the value and what is allowed.
+Writing a config back (TOML, `--help`) is `job_config/serialize.py`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-from job_config.checks import ignored_options, validate
+from job_config.checks import validate
 from job_config.problems import ConfigError
 from job_config.schema import MOVED_OPTIONS, JobConfig, config_sections
 
@@ -241,57 +242,3 @@ def parse_args(argv: list[str], *, check: bool = True) -> JobConfig:
     if check:
         validate(cfg)
     return cfg
-
-
-def config_to_dict(cfg: JobConfig) -> dict[str, dict[str, Any]]:
-    """The sections' values (the provenance is not an option)."""
-    return {section: dataclasses.asdict(getattr(cfg, section)) for section in config_sections()}
-
-
-def config_to_toml(cfg: JobConfig) -> str:
-    """Serialises the resolved config as TOML. None values, and values that have no effect in
-    this config (so that the file loads again as a preset), are written as comments."""
-    lines, ignored = [], ignored_options(cfg)
-    for section, values in config_to_dict(cfg).items():
-        lines.append(f"[{section}]")
-        for key, value in values.items():
-            if value is None:
-                lines.append(f"# {key} = None")
-            elif f"{section}.{key}" in ignored:
-                lines.append(f"# {key} = {_toml_value(value)}  # no effect in this config")
-            else:
-                lines.append(f"{key} = {_toml_value(value)}")
-        lines.append("")
-    return "\n".join(lines)
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return repr(value)
-
-
-def help_text() -> str:
-    """Every option with its type, default and help, for `train.py --help`."""
-    out = [
-        "usage: train.py [--config NAME_OR_PATH] [--section.key VALUE ...]",
-        "",
-        "  --config NAME_OR_PATH   TOML preset; a bare name resolves inside configs/",
-        "  A bare flag means true (--job.dry_run). Lists: --compile.components model,loss",
-        "",
-    ]
-    cfg = JobConfig()
-    for section in config_sections():
-        sec_obj = getattr(cfg, section)
-        hints = _type_hints(type(sec_obj))
-        out.append(f"[{section}]")
-        for key, f in _fields(sec_obj).items():
-            default = getattr(sec_obj, key)
-            out.append(f"  --{section}.{key} ({_describe(hints[key])}, default {default!r})")
-            out.append(f"      {f.metadata['help']}")
-        out.append("")
-    return "\n".join(out)

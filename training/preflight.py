@@ -17,9 +17,10 @@ from pathlib import Path
 
 import torch
 
-from job_config.checks import report_unused, validate
+from job_config.checks import validate
 from job_config.problems import ConfigError, Problems
 from job_config.schema import JobConfig
+from job_config.unused import report_unused
 from models import get_model_spec, meta_model_for, model_args_for
 from parallelisms.parallel_dims import ParallelDims, ParallelismError
 from parallelisms.pipeline import validate_pipeline_config

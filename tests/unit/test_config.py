@@ -361,7 +361,7 @@ def test_provenance_is_a_typed_field_kept_out_of_the_toml_and_the_help():
 
 def test_suffixes_match_the_data_readers():
     from data.sources import FILE_EXTENSIONS
-    from job_config.checks import _SUFFIX_DATASETS
+    from job_config.unused import _SUFFIX_DATASETS
 
     assert {s: k for k, suffixes in FILE_EXTENSIONS.items() for s in suffixes} == _SUFFIX_DATASETS
 
