@@ -63,8 +63,15 @@ def _op_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _draws_random_numbers(block: nn.Module) -> bool:
+    """True when the block has active dropout: its recomputation must replay the RNG state."""
+    return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in block.modules())
+
+
 def _wrap(block: nn.Module, per_op: bool) -> nn.Module:
-    kwargs = {"preserve_rng_state": False}  # Llama has no dropout: no RNG to replay
+    # Saving and restoring the RNG state costs a device sync per block; a block without
+    # dropout draws no random numbers, so there is nothing to replay.
+    kwargs = {"preserve_rng_state": _draws_random_numbers(block)}
     if per_op:
         SAC_IGNORED_OPS.update(PROFILER_RANGE_OPS)
         kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _op_policy)

@@ -103,7 +103,8 @@ def set_collective_timeout(timeout_s: int) -> None:
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
-    """Same seed on every rank: dropout-free Llama needs no per-rank streams."""
+    """Same seed on every rank (weights are drawn per parameter name, not from these streams;
+    a family with dropout would want per-rank streams for its masks)."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)

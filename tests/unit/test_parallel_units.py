@@ -73,6 +73,30 @@ def test_ac_keeps_keys_and_numerics(mode, option):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
+@pytest.mark.parametrize("p", [0.0, 0.5])
+def test_ac_replays_dropout_masks_in_recomputation(p):
+    """A block with active dropout gets its RNG state replayed when AC recomputes it, so the
+    gradients equal the unwrapped block's; a block without dropout skips the replay."""
+    from torch import nn
+
+    from parallelisms.activation_checkpoint import apply_ac
+
+    def model():
+        torch.manual_seed(0)
+        m = nn.Module()
+        m.layers = nn.ModuleDict({"0": nn.Sequential(nn.Linear(8, 8), nn.Dropout(p))})
+        return m
+
+    ref, wrapped = model(), apply_ac(model(), "full")
+    assert wrapped.layers["0"].checkpoint_fn.keywords["preserve_rng_state"] == (p > 0)
+    x = torch.randn(4, 8)
+    for m in (ref, wrapped):
+        torch.manual_seed(1)
+        m.layers["0"](x).square().sum().backward()
+    for (name, a), b in zip(wrapped.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, msg=name)
+
+
 def test_ac_op_policy_saves_matmuls_and_recomputes_the_rest():
     from torch.utils.checkpoint import CheckpointPolicy
 
