@@ -21,6 +21,7 @@ from checkpoint.hf import (
 )
 from checkpoint.state import DTYPES
 from checkpoint.storage import CheckpointError
+from models import import_families
 
 
 def family_for(config: dict, name: str):
@@ -130,7 +131,18 @@ def main(argv=None) -> int:
     p.add_argument(
         "--model", default="", help="model family in the registry (default: by model_type)"
     )
+    p.add_argument(
+        "--job.custom_import",
+        dest="custom_import",
+        default="",
+        help="module or path that registers a model family outside the tree (as train.py)",
+    )
     a = p.parse_args(argv)
+    try:
+        import_families(a.custom_import)  # a family registered outside the tree
+    except ValueError as e:
+        print(f"convert_from_hf: error: {e}", file=sys.stderr)
+        return 2
     try:
         convert(a.hf_folder, a.output, a.dtype, a.flavor, a.model)
     except (CheckpointError, OSError, KeyError) as e:

@@ -20,6 +20,7 @@ from checkpoint.hf import (
 )
 from checkpoint.state import DTYPES
 from checkpoint.storage import CheckpointError, resolve_load_path
+from models import import_families
 
 
 def convert(
@@ -63,7 +64,18 @@ def main(argv=None) -> int:
         default=5.0,
         help="split the safetensors into files of at most this size",
     )
+    p.add_argument(
+        "--job.custom_import",
+        dest="custom_import",
+        default="",
+        help="module or path that registers a model family outside the tree (as train.py)",
+    )
     a = p.parse_args(argv)
+    try:
+        import_families(a.custom_import)  # a family registered outside the tree
+    except ValueError as e:
+        print(f"convert_to_hf: error: {e}", file=sys.stderr)
+        return 2
     try:
         convert(a.checkpoint, a.output, a.dtype, int(a.max_shard_gb * 2**30))
     except (CheckpointError, OSError, KeyError) as e:

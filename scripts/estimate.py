@@ -22,7 +22,7 @@ import argparse
 import sys
 import time
 
-from job_config import ConfigError, JobConfig, parse_args
+from job_config import ConfigError, JobConfig
 from metrics.flops import flops_per_token
 from models import get_model_spec, model_args_for
 from models.llama3 import ModelArgs
@@ -32,6 +32,7 @@ from planning.advise import Workload, advise, verification_config
 from planning.communication import Cluster
 from planning.memory import GIB, zero_bytes_per_param
 from planning.simulate import count_experts, format_plan, simulate
+from training.preflight import load_config
 
 # Llama 2 13B's shape (the classic ZeRO exercise model): 13.0B parameters.
 LLAMA_13B = ModelArgs(
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             print(exercise_1())
             return 0
         config = "llama3_70b" if ns.exercise == 2 else ns.config
-        cfg = parse_args(["--config", config, *overrides])
+        cfg = load_config(["--config", config, *overrides])  # honours --job.custom_import
         if ns.exercise == 2 or ns.advise:
             cluster = Cluster(
                 gpus_per_node=ns.gpus_per_node,

@@ -154,16 +154,17 @@ def format_table(per_rank: list[dict], title: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
-    from job_config import ConfigError, parse_args
+    from job_config import ConfigError
     from parallelisms.parallel_dims import ParallelismError
     from training.distributed import LaunchError, cleanup, launch_env
+    from training.preflight import load_config
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--config", default="debug_model")
     ap.add_argument("--output", help="also write the per-rank numbers to this JSON file")
     ns, extra = ap.parse_known_args(argv)
     try:
-        cfg = parse_args(["--config", ns.config, *extra])
+        cfg = load_config(["--config", ns.config, *extra])  # honours --job.custom_import
         rank, local_rank, world_size = launch_env()
         mine = breakdown(cfg, world_size, local_rank)
         per_rank = [None] * world_size

@@ -20,11 +20,10 @@ import torch
 from checkpoint import CheckpointError
 from job_config import ConfigError, JobConfig, config_notes, config_to_toml, parse_args
 from job_config.checks import validate
-from models import import_families
 from parallelisms.parallel_dims import ParallelDims, ParallelismError
 from training.distributed import LaunchError, launch_env, pick_device, record_error
 from training.optimizer import no_decay_patterns
-from training.preflight import check_config, check_data_files, dry_run
+from training.preflight import check_config, check_data_files, dry_run, import_custom_families
 
 logger = logging.getLogger("meshtrain")
 
@@ -103,10 +102,7 @@ def prepare(argv: list[str]) -> Launch | None:
     """Parses and checks the command line and the launch; None when it asked for a one-process
     command (dry run, seed checkpoint), which has then run."""
     cfg = parse_args(argv, check=False)  # checked below, with the layout: one message
-    try:  # before any check: it may register the model family the config names
-        import_families(cfg.job.custom_import)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    import_custom_families(cfg.job.custom_import)  # before any check: it may register the family
     if cfg.job.dry_run:  # the layout is for the real cluster, not this process
         validate(cfg)
         dry_run(cfg)

@@ -18,13 +18,32 @@ from pathlib import Path
 import torch
 
 from job_config.checks import validate
+from job_config.loader import parse_args
 from job_config.problems import ConfigError, Problems
 from job_config.schema import JobConfig
 from job_config.unused import report_unused
-from models import get_model_spec, meta_model_for, model_args_for
+from models import get_model_spec, import_families, meta_model_for, model_args_for
 from parallelisms.parallel_dims import ParallelDims, ParallelismError
 from parallelisms.pipeline import validate_pipeline_config
 from training.distributed import device_type
+
+
+def load_config(argv: list[str]) -> JobConfig:
+    """The config of a command line with the families `job.custom_import` names imported first
+    (so a family registered outside the tree is known by name), then validated: what every
+    entry point (train.py, the estimator, the memory breakdown) starts from."""
+    cfg = parse_args(argv, check=False)
+    import_custom_families(cfg.job.custom_import)
+    validate(cfg)
+    return cfg
+
+
+def import_custom_families(target: str) -> None:
+    """`models.import_families`, its failure as a ConfigError."""
+    try:
+        import_families(target)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_config(cfg: JobConfig, world_size: int) -> ParallelDims:

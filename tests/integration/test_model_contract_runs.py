@@ -57,14 +57,31 @@ def test_a_family_registered_outside_the_tree_trains(tmp_path):
     package = tmp_path / "elsewhere" / "outside_family"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text(textwrap.dedent(FAMILY))
+    family = ["--job.custom_import", str(package), "--model.name", "outside",
+              "--model.flavor", "small"]  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "train.py", "--config", str(TINY_CONFIG), "--job.custom_import", str(package),
-           "--model.name", "outside", "--model.flavor", "small", "--training.steps", "3",
-           "--training.local_batch_size", "4", "--job.dump_folder", str(tmp_path / "run")]  # fmt: skip
+           "train.py", "--config", str(TINY_CONFIG), *family, "--training.steps", "3",
+           "--training.local_batch_size", "4", "--job.dump_folder", str(tmp_path / "run"),
+           "--checkpoint.enable", "--checkpoint.interval", "3"]  # fmt: skip
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     log = (tmp_path / "run" / "logs" / "rank_0.log").read_text()
     assert "model outside small:" in log and "step 3 |" in log
+    # the scripts honour job.custom_import too: the estimator plans the family, and the
+    # conversion finds it (and refuses it by name: it gives no Hugging Face adapter)
+    plan = subprocess.run(
+        [sys.executable, "scripts/estimate.py", "--config", str(TINY_CONFIG), *family,
+         "--world-size", "2", "--device-type", "cpu"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert plan.returncode == 0 and "rank" in plan.stdout, plan.stdout[-2000:] + plan.stderr
+    ckpt = next((tmp_path / "run" / "checkpoint").glob("step-*"))
+    export = subprocess.run(
+        [sys.executable, "scripts/convert_to_hf.py", str(ckpt), str(tmp_path / "hf"),
+         "--job.custom_import", str(package)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert "model family 'outside' has no Hugging Face adapter" in export.stderr, export.stderr
     bad = subprocess.run(
         [sys.executable, "train.py", "--config", str(TINY_CONFIG), "--job.custom_import",
          str(tmp_path / "nowhere.py"), "--model.name", "outside"],
