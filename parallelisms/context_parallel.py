@@ -10,9 +10,10 @@ global positions for RoPE (`local_positions`, which `training.inputs.sequence_in
 model).
 
 Attention (`ContextParallelAttention`, swapped in for the shared attention core of
-models/attention.py): K and V are all-gathered over "cp" in every layer, before they are
-repeated to the query heads (under grouped-query attention they are n_heads / n_kv_heads times
-smaller than the queries), and their gradients reduce-scattered back by the all-gather's
+models/attention.py): K and V are all-gathered over "cp" in every layer at their own size
+(under grouped-query attention they are n_heads / n_kv_heads times smaller than the queries,
+and SDPA's `enable_gqa` never repeats them to the query heads in memory), and their
+gradients reduce-scattered back by the all-gather's
 backward (functional collectives, so it also runs inside compiled blocks). Causal attention
 needs no mask: each of the rank's chunks attends to the keys up to its end (`causal_chunks`).
 With `training.document_mask`, `training.inputs.sequence_inputs` builds the mask between the
@@ -97,13 +98,13 @@ def causal_chunks(
     and, causally, to its own."""
     chunk = k.shape[2] // (2 * cp)
     k, v = _in_position_order(k, cp, chunk), _in_position_order(v, cp, chunk)
-    n_rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+    gqa = q.shape[1] != k.shape[1]  # key/value heads not repeated (see models.attention)
     outs = []
     for q_chunk, index in zip(q.split(chunk, dim=2), (cp_rank, 2 * cp - 1 - cp_rank)):
         end = (index + 1) * chunk
         outs.append(F.scaled_dot_product_attention(q_chunk, k[:, :, :end], v[:, :, :end],
-                                                   _lower_right_causal(chunk, end, q.device)))  # fmt: skip
+                                                   _lower_right_causal(chunk, end, q.device),
+                                                   enable_gqa=gqa))  # fmt: skip
     return torch.cat(outs, dim=2)
 
 
@@ -128,14 +129,79 @@ def _lower_right_causal(queries: int, keys: int, device: torch.device):
     return causal_lower_right(queries, keys)
 
 
+def _own_attention(model: nn.Module, seq_len: int) -> dict[str, str]:
+    """{module name: what it does} for attention computed outside the shared core, found by
+    one forward of `model` (on the meta device: shapes only) that records each
+    scaled_dot_product_attention call and the innermost module it came from. A forward that
+    a meta tensor cannot run (data-dependent shapes, such as MoE routing) stops there; what ran
+    until then is still checked."""
+    stack: list[str] = []
+    found: dict[str, str] = {}
+
+    class Recorder(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is F.scaled_dot_product_attention and stack:
+                owner = stack[-1]
+                if not isinstance(model.get_submodule(owner), ScaledDotProductAttention):
+                    found.setdefault(owner, "calls scaled_dot_product_attention itself")
+            return func(*args, **(kwargs or {}))
+
+    def enter(name: str):
+        return lambda module, args: stack.append(name)  # None: the inputs stay as they are
+
+    def leave(module, args, output) -> None:
+        stack.pop()
+
+    handles = []
+    for name, module in model.named_modules():
+        handles.append(module.register_forward_pre_hook(enter(name)))
+        handles.append(module.register_forward_hook(leave))
+    try:
+        with Recorder():
+            model(torch.zeros(1, seq_len, dtype=torch.long, device="meta"))
+    except (NotImplementedError, RuntimeError):
+        pass  # an op without a meta kernel: the calls made before it were recorded
+    finally:
+        for handle in handles:
+            handle.remove()
+    return found
+
+
+def attention_problems(model: nn.Module, seq_len: int) -> list[str]:
+    """What context parallelism cannot honour in `model` (on the meta device), by module name:
+    a subclass of the shared core (its own math, which the CP core would replace: the run would
+    train another model), and attention computed outside the shared core (it would see only
+    the rank's tokens). Checked with the config, before any process group."""
+    problems = [
+        f"{name} ({type(m).__name__}) subclasses models.attention.ScaledDotProductAttention "
+        "with attention math of its own, which the context-parallel core would replace"
+        for name, m in model.named_modules()
+        if isinstance(m, ScaledDotProductAttention) and type(m) is not ScaledDotProductAttention
+    ]
+    problems += [f"{name} {what}" for name, what in _own_attention(model, seq_len).items()]
+    cores = [m for m in model.modules() if type(m) is ScaledDotProductAttention]
+    if not cores and not problems:
+        problems.append(f"{type(model).__name__} has no models.attention.ScaledDotProductAttention")
+    if not problems:
+        return []
+    return [
+        "parallelism.context_parallel_degree > 1 cannot honour this model's attention: "
+        + "; ".join(problems)
+        + ". Only the shared core is split over the CP ranks: route every attention layer "
+        "through models.attention.ScaledDotProductAttention itself (docs/adding_a_model.md), "
+        "or set parallelism.context_parallel_degree = 1."
+    ]
+
+
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> int:
-    """Swaps every shared attention core (`models.attention.ScaledDotProductAttention`) of
-    `model` for `ContextParallelAttention`; returns how many. A model without one cannot run
-    CP: its attention would silently see only the rank's tokens."""
+    """Swaps every shared attention core (exactly `models.attention.ScaledDotProductAttention`:
+    a subclass has math of its own, refused by `attention_problems`) of `model` for
+    `ContextParallelAttention`; returns how many. A model without one cannot run CP: its
+    attention would silently see only the rank's tokens."""
     swapped = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if isinstance(child, ScaledDotProductAttention):
+            if type(child) is ScaledDotProductAttention:
                 setattr(module, name, ContextParallelAttention(cp_mesh))
                 swapped += 1
     if swapped == 0:

@@ -27,6 +27,7 @@ from torch import nn
 from models.contract import ModelSpec
 from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.compile import apply_compile
+from parallelisms.context_parallel import attention_problems
 from parallelisms.data_parallel import apply_data_parallel, apply_expert_zero
 from parallelisms.expert_parallel import apply_ep, replicate_experts
 from parallelisms.fsdp import FsdpUnit, embed_blocks_head_units, fsdp_mesh
@@ -39,7 +40,8 @@ logger = logging.getLogger("meshtrain")
 
 def decoder_problems(spec: ModelSpec, cfg, args) -> list[str]:
     """What this run of the family cannot do, from the config alone: TP must split the heads
-    and the sequence, tied weights rule out PP and ZeRO 0-2, then the family's own checks."""
+    and the sequence, tied weights rule out PP and ZeRO 0-2, CP must be able to honour every
+    attention layer, then the family's own checks."""
     problems = []
     try:
         check_tp(args.n_heads, args.n_kv_heads, cfg.training.seq_len,
@@ -48,6 +50,9 @@ def decoder_problems(spec: ModelSpec, cfg, args) -> list[str]:
         problems.append(str(e))
     if getattr(args, "tie_embeddings", False):
         problems += tied_weight_problems(cfg.parallelism, cfg.model.flavor)
+    if cfg.parallelism.context_parallel_degree > 1:
+        with torch.device("meta"):  # shapes only: the check runs one forward
+            problems += attention_problems(spec.model_cls(args), cfg.training.seq_len)
     return problems + (spec.validate(cfg, args) if spec.validate else [])
 
 

@@ -382,4 +382,34 @@ MUTANTS = [
         "",
         (f"{FP64_PARITY}[moe_ep2_pp2_ddp]",),
     ),
+    Mutant(
+        "cp_swaps_subclassed_cores",
+        "CP swaps a subclass of the shared attention core (a family's own attention math) for "
+        "the plain CP core: the run trains another model",
+        "parallelisms/context_parallel.py",
+        "            if type(child) is ScaledDotProductAttention:",
+        "            if isinstance(child, ScaledDotProductAttention):",
+        (f"{CP_UNIT}::test_cp_refuses_attention_it_cannot_honour_naming_the_module",),
+    ),
+    Mutant(
+        "cp_own_attention_not_checked",
+        "attention computed outside the shared core (it sees only the rank's tokens under CP) "
+        "is not looked for",
+        "parallelisms/context_parallel.py",
+        '    problems += [f"{name} {what}" for name, what in _own_attention(model, seq_len).items()]',
+        "",
+        (
+            f"{CP_UNIT}::test_cp_refuses_attention_it_cannot_honour_naming_the_module",
+            f"{CP_UNIT}::test_the_config_check_refuses_cp_for_a_family_with_its_own_attention",
+        ),
+    ),
+    Mutant(
+        "ac_dropout_rng_not_replayed",
+        "activation checkpointing recomputes a block with dropout without replaying its RNG "
+        "state (other masks in the recomputation)",
+        "parallelisms/activation_checkpoint.py",
+        '"preserve_rng_state": _draws_random_numbers(block)',
+        '"preserve_rng_state": False',
+        ("tests/unit/test_parallel_units.py::test_ac_replays_dropout_masks_in_recomputation",),
+    ),
 ]

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dist_utils import fake_world
 from torch import nn
 
-from models.attention import attend
+from models.attention import ScaledDotProductAttention, attend
 from models.llama3.model import ModelArgs, Transformer
 from models.qwen3.model import Qwen3, Qwen3Args
 from parallelisms.context_parallel import (
     apply_context_parallel,
+    attention_problems,
     causal_chunks,
     gathered_positions,
     local_positions,
@@ -134,3 +136,69 @@ def test_documents_do_not_see_each_other():
 def test_a_model_without_the_shared_attention_core_is_refused():
     with pytest.raises(ValueError, match="no models.attention.ScaledDotProductAttention"):
         apply_context_parallel(nn.Sequential(nn.Linear(2, 2)), cp_mesh=None)
+
+
+class SoftCappedCore(ScaledDotProductAttention):
+    """A family's own attention math on the shared core's hook (what CP must not replace)."""
+
+    def forward(self, q, k, v, mask=None):
+        return attend(q, k, v, mask) * 0.5
+
+
+class OwnCore(nn.Module):
+    """Attention a family computes itself (Gemma 3's shape: some layers on their own core)."""
+
+    def forward(self, q, k, v, mask=None):
+        return attend(q, k, v, mask)
+
+
+def _tiny_llama(core_of_layer_1=None) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                      vocab_size=64, multiple_of=16, max_seq_len=16))  # fmt: skip
+    if core_of_layer_1 is not None:
+        model.layers["1"].attention.core = core_of_layer_1
+    return model
+
+
+def test_cp_refuses_attention_it_cannot_honour_naming_the_module():
+    """The shared core alone is split over CP ranks. A subclass of it (its own math) was
+    silently replaced by the plain CP core, and a layer on its own core silently saw only the
+    rank's tokens: both are refused by name before any process group; the subclass is left
+    unswapped."""
+    assert attention_problems(_tiny_llama(), 16) == []
+    (capped,) = attention_problems(_tiny_llama(SoftCappedCore()), 16)
+    assert "layers.1.attention.core (SoftCappedCore) subclasses" in capped
+    (own,) = attention_problems(_tiny_llama(OwnCore()), 16)
+    assert "layers.1.attention.core calls scaled_dot_product_attention itself" in own
+    assert "context_parallel_degree = 1" in own
+    model = _tiny_llama(SoftCappedCore())
+    with fake_world(2):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        assert apply_context_parallel(model, init_device_mesh("cpu", (2,))) == 1
+    assert type(model.layers["1"].attention.core) is SoftCappedCore
+
+
+def test_the_config_check_refuses_cp_for_a_family_with_its_own_attention():
+    import dataclasses
+
+    from job_config import parse_args
+    from models import get_model_spec, register
+    from models.contract import MODELS
+    from training.preflight import check_config
+
+    class OwnAttentionLlama(Transformer):
+        def __init__(self, args):
+            super().__init__(args)
+            self.layers["0"].attention.core = OwnCore()
+
+    register(dataclasses.replace(get_model_spec("llama3"), name="own_attention",
+                                 model_cls=OwnAttentionLlama))  # fmt: skip
+    try:
+        argv = ["--config", "debug_model", "--model.name", "own_attention"]
+        check_config(parse_args(argv), world_size=2)  # no CP: accepted
+        with pytest.raises(ValueError, match=r"layers\.0\.attention\.core calls scaled_dot"):
+            check_config(parse_args([*argv, "--parallelism.context_parallel_degree", "2"]), 2)
+    finally:
+        del MODELS["own_attention"]
