@@ -26,15 +26,15 @@ from torch import nn
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """q [batch, heads, queries, head_dim]; k, v [batch, kv_heads, keys, head_dim], each key /
-    value head serving heads / kv_heads query heads (grouped-query attention, SDPA's
-    `enable_gqa`: k and v are never repeated to the query heads in memory, so backward keeps
-    them at their own size, and a parallelism that moves them moves the smaller tensors);
-    mask as the module doc says."""
-    gqa = q.shape[1] != k.shape[1]
+    """q [batch, heads, queries, head_dim]; k, v [batch, kv_heads, keys, head_dim], repeated
+    here to the query heads (grouped-query attention: a parallelism that moves k and v moves
+    the smaller tensors); mask as the module doc says."""
+    n_rep = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(n_rep, dim=1)
+    v = v.repeat_interleave(n_rep, dim=1)
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 class ScaledDotProductAttention(nn.Module):

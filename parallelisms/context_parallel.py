@@ -10,10 +10,9 @@ global positions for RoPE (`local_positions`, which `training.inputs.sequence_in
 model).
 
 Attention (`ContextParallelAttention`, swapped in for the shared attention core of
-models/attention.py): K and V are all-gathered over "cp" in every layer at their own size
-(under grouped-query attention they are n_heads / n_kv_heads times smaller than the queries,
-and SDPA's `enable_gqa` never repeats them to the query heads in memory), and their
-gradients reduce-scattered back by the all-gather's
+models/attention.py): K and V are all-gathered over "cp" in every layer, before they are
+repeated to the query heads (under grouped-query attention they are n_heads / n_kv_heads times
+smaller than the queries), and their gradients reduce-scattered back by the all-gather's
 backward (functional collectives, so it also runs inside compiled blocks). Causal attention
 needs no mask: each of the rank's chunks attends to the keys up to its end (`causal_chunks`).
 With `training.document_mask`, `training.inputs.sequence_inputs` builds the mask between the
@@ -98,13 +97,13 @@ def causal_chunks(
     and, causally, to its own."""
     chunk = k.shape[2] // (2 * cp)
     k, v = _in_position_order(k, cp, chunk), _in_position_order(v, cp, chunk)
-    gqa = q.shape[1] != k.shape[1]  # key/value heads not repeated (see models.attention)
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
     outs = []
     for q_chunk, index in zip(q.split(chunk, dim=2), (cp_rank, 2 * cp - 1 - cp_rank)):
         end = (index + 1) * chunk
         outs.append(F.scaled_dot_product_attention(q_chunk, k[:, :, :end], v[:, :, :end],
-                                                   _lower_right_causal(chunk, end, q.device),
-                                                   enable_gqa=gqa))  # fmt: skip
+                                                   _lower_right_causal(chunk, end, q.device)))  # fmt: skip
     return torch.cat(outs, dim=2)
 
 

@@ -249,8 +249,7 @@ def _default_ranks(dims: ParallelDims, all_stages: bool) -> list[int]:
 def _activation_formula(scores_stored: bool) -> str:
     return (
         "per layer the model family's count of the tensors one block saves (Llama: "
-        "sb(24h + 4kv + 8f)/t, kv the key/value width; Korthikanti et al.'s GPT count: "
-        "sbh(34/t + 5as/(ht)) with TP+SP); "
+        "sbh(28 + 8f/h)/t; Korthikanti et al.'s GPT count: sbh(34/t + 5as/(ht)) with TP+SP); "
         "full AC keeps 2sbh/t"
         + ("" if scores_stored else "; no 5as/h term: fused SDPA keeps no s x s scores")
     )

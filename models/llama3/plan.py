@@ -59,10 +59,8 @@ def llama_tp_plan(loss_parallel: bool) -> TPPlan:
 def llama_block_activation_bytes(args, s: int, b: int, t: int = 1) -> float:
     """Activation bytes one Llama block saves for backward (16-bit compute, fused attention),
     counted from the tensors autograd keeps: each RMSNorm its input and output in fp32 and the
-    16-bit matmul input (2 x 10 sbh), attention q and its output (4 sbh) and k, v at the
-    key/value heads' width kv (4 sb kv: grouped-query attention never repeats them), SwiGLU's
-    w1 and w3 outputs, SiLU output and product (8 sbf). sb(24 h + 4 kv + 8 f) in all (28 sbh
-    without grouping; Korthikanti's GPT count is 34 sbh with a 4h GeLU MLP); divided by t
-    under TP + sequence parallelism. The estimator's activation figure per layer."""
-    kv = args.n_kv_heads * args.head_dim
-    return float(s) * b * (24 * args.dim + 4 * kv + 8 * args.ffn_hidden_dim) / t
+    16-bit matmul input (2 x 10 sbh), attention q, k, v (k/v repeated to all heads) and its
+    output (8 sbh), SwiGLU's w1 and w3 outputs, SiLU output and product (8 sbf). sbh(28 + 8f/h)
+    in all (Korthikanti's GPT count is 34 sbh with a 4h GeLU MLP); divided by t under TP +
+    sequence parallelism. The estimator's activation figure per layer."""
+    return float(s) * b * (28 * args.dim + 8 * args.ffn_hidden_dim) / t
