@@ -17,7 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.attention import ScaledDotProductAttention
+from models.attention import (
+    AttentionBatch,
+    AttentionCore,
+    AttentionSpec,
+    attention_batch,
+    attention_specs,
+)
 from models.numerics import at_least_float32_dtype
 
 
@@ -25,8 +31,9 @@ class GroupedQueryAttention(nn.Module):
     """Grouped-query self-attention: q, k, v projections (n_kv_heads key/value heads, not
     repeated here), the family's RoPE convention `apply_rope(x [batch, seq, heads, head_dim],
     table)`, optionally an RMSNorm over each query and key head before RoPE (`qk_norm_eps`:
-    Qwen3's QK-norm; None = none), the shared attention core (models/attention.py, which
-    context parallelism swaps for its all-gathering version) and the output projection."""
+    Qwen3's QK-norm; None = none), the attention core computing the layer's `spec`
+    (models/attention.py; context parallelism swaps it for its all-gathering version) and the
+    output projection."""
 
     def __init__(
         self,
@@ -36,6 +43,7 @@ class GroupedQueryAttention(nn.Module):
         head_dim: int,
         apply_rope,
         qk_norm_eps: float | None = None,
+        spec: AttentionSpec | None = None,
     ):
         super().__init__()
         self.head_dim = head_dim
@@ -44,13 +52,13 @@ class GroupedQueryAttention(nn.Module):
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
         self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
-        self.core = ScaledDotProductAttention()  # causal / masked SDPA over the heads
+        self.core = AttentionCore(spec)
         if qk_norm_eps is not None:
             self.q_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
             self.k_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None
+        self, x: torch.Tensor, rope: torch.Tensor, batch: AttentionBatch | None = None
     ) -> torch.Tensor:
         bs, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
@@ -60,7 +68,7 @@ class GroupedQueryAttention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.apply_rope(q, rope), self.apply_rope(k, rope)
-        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), batch)
         return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
 
 
@@ -91,9 +99,9 @@ class PreNormBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(dim, eps=norm_eps)
 
     def forward(
-        self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None
+        self, x: torch.Tensor, rope: torch.Tensor, batch: AttentionBatch | None = None
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, mask)
+        h = x + self.attention(self.attention_norm(x), rope, batch)
         return h + getattr(self, self.mlp_name)(self.ffn_norm(h))
 
 
@@ -114,6 +122,7 @@ class Decoder(nn.Module):
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("rope", self.rope_table(args), persistent=False)
+        self.attention_specs = attention_specs(self)  # whose masks a forward builds
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -125,18 +134,32 @@ class Decoder(nn.Module):
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
+        key_positions: torch.Tensor | None = None,
+        key_documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens [batch, seq] -> logits [batch, seq, vocab] (a pipeline stage may take and
         return hidden states [batch, seq, dim] instead). `positions` [batch, seq]: each token's
-        position in its sequence, for RoPE (default 0..seq-1; a context-parallel rank holds
-        other positions); `attention_mask`: see models/attention.py (default causal)."""
+        position in its sequence, for RoPE and masks (default 0..seq-1; a context-parallel rank
+        holds other positions); `documents` [batch, seq]: each token's document index (document
+        masking); `key_positions` and `key_documents`: those of the keys when they are not the
+        queries (context parallelism's gathered keys). The block masks of the layers' attention
+        specs are built here, once per micro-batch (models/attention.py)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        rope = self.rope if positions is None else self.rope[positions]
+        rope = self.rope_rows(positions)
+        batch = attention_batch(
+            self.attention_specs, tokens.shape[0], tokens.shape[1], tokens.device,
+            positions, documents, key_positions, key_documents,
+        )  # fmt: skip
         for layer in self.layers.values():
-            h = layer(h, rope, attention_mask)
+            h = layer(h, rope, batch)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
+
+    def rope_rows(self, positions: torch.Tensor | None):
+        """What the blocks get as `rope`: the table (positions 0, 1, ...) or each token's rows. A
+        family with several tables (Gemma 3's local and global layers) returns them all."""
+        return self.rope if positions is None else self.rope[positions]
 
     def init_buffers(self, device: torch.device | str) -> None:
         """Fills the non-persistent RoPE table (after `to_empty` from the meta device), in the

@@ -24,6 +24,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+import models.block_attention  # noqa: F401  (registers torch.ops.meshtrain.block_attention)
+
 _aten = torch.ops.aten
 _SAVE_OP_NAMES = (
     "mm",
@@ -34,9 +36,12 @@ _SAVE_OP_NAMES = (
     "_scaled_dot_product_cudnn_attention",
     "_scaled_dot_product_flash_attention_for_cpu",
 )
-# Ops whose outputs selective AC saves: the expensive ones, and TP collectives (recomputing
-# those would repeat communication).
+# Ops whose outputs selective AC saves: the expensive ones (attention's block-mask kernel and
+# FlexAttention included), and TP collectives (recomputing those would repeat communication).
 SAVE_OPS = {getattr(_aten, n).default for n in _SAVE_OP_NAMES if hasattr(_aten, n)}
+SAVE_OPS.add(torch.ops.meshtrain.block_attention.default)
+if hasattr(torch.ops.higher_order, "flex_attention"):
+    SAVE_OPS.add(torch.ops.higher_order.flex_attention)
 for _name in ("reduce_scatter_tensor", "all_gather_into_tensor", "all_reduce"):
     if hasattr(torch.ops._c10d_functional, _name):
         SAVE_OPS.add(getattr(torch.ops._c10d_functional, _name).default)

@@ -9,16 +9,18 @@ gives every rank the same number of (query, visible key) pairs. Each rank gets i
 global positions for RoPE (`local_positions`, which `training.inputs.sequence_inputs` gives the
 model).
 
-Attention (`ContextParallelAttention`, swapped in for the shared attention core of
-models/attention.py): K and V are all-gathered over "cp" in every layer, before they are
-repeated to the query heads (under grouped-query attention they are n_heads / n_kv_heads times
-smaller than the queries), and their gradients reduce-scattered back by the all-gather's
-backward (functional collectives, so it also runs inside compiled blocks). Causal attention
-needs no mask: each of the rank's chunks attends to the keys up to its end (`causal_chunks`).
-With `training.document_mask`, `training.inputs.sequence_inputs` builds the mask between the
-rank's queries and the gathered keys (causal in positions, within documents) once per micro-batch. This is
-the all-gather K/V design Llama 3 describes; the gathered K/V of one layer live only until
-its backward (or are recomputed with activation checkpointing).
+Attention (`ContextParallelAttention`, swapped in for each attention core of
+models/attention.py, keeping its spec): K and V are all-gathered over "cp" in every layer at
+their own size (under grouped-query attention n_heads / n_kv_heads times smaller than the
+queries; never repeated), and their gradients reduce-scattered back by the all-gather's
+backward (functional collectives, so it also runs inside compiled blocks). Plain causal
+attention needs no mask: each of the rank's chunks attends to the keys up to its end
+(`causal_chunks`). Every other spec (sliding window, soft-capping, document masking) is the
+core's own computation over the gathered keys, with the block mask the model builds once per
+micro-batch from the rank's query positions and the gathered keys' positions and documents
+(`training.inputs.sequence_inputs` gives them): windows cross chunk boundaries in global
+positions. This is the all-gather K/V design Llama 3 describes; the gathered K/V of one layer
+live only until its backward (or are recomputed with activation checkpointing).
 
 Everything else composes through the mesh: the CP ranks of a replica read the same sequences
 (they share one data-parallel coordinate), the weights are identical on them and FSDP shards
@@ -35,9 +37,10 @@ from torch import nn
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention.flex_attention import flex_attention
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from models.attention import ScaledDotProductAttention, attend
+from models.attention import AttentionBatch, AttentionCore, AttentionSpec, attend
 
 # torch 2.13 renamed the autograd all-gather (the old name warns); 2.11 has the old one only
 _all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or (
@@ -60,25 +63,26 @@ def gathered_positions(seq_len: int, cp: int, device=None) -> torch.Tensor:
 
 class ContextParallelAttention(nn.Module):
     """The attention core under CP: the local queries attend to the keys and values of the
-    whole sequence, all-gathered over "cp" (see the module doc). With a mask (document
-    masking) one masked SDPA call; without, each of the rank's two chunks attends causally to
-    the keys up to its end (a lower-right causal bias: the fused kernels on CUDA build no
-    mask, and none over the whole sequence is kept for backward)."""
+    whole sequence, all-gathered over "cp" (see the module doc), as the replaced core's `spec`
+    says. Plain causal attention: each of the rank's two chunks attends causally to the keys up
+    to its end (a lower-right causal bias: the fused kernels on CUDA build no mask, and none
+    over the whole sequence is kept for backward); any other spec through its block mask."""
 
-    def __init__(self, cp_mesh: DeviceMesh):
+    def __init__(self, cp_mesh: DeviceMesh, spec: AttentionSpec):
         super().__init__()
         # The group's name (a string) rather than the group: deep copies (pipeline stages
         # are cut from copies of the model) and compiled graphs take it as it is.
         self.group_name = cp_mesh.get_group().group_name
         self.cp_rank, self.cp = cp_mesh.get_local_rank(), cp_mesh.size()
+        self.spec = spec
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch | None = None
     ) -> torch.Tensor:
         k, v = self._gather(k), self._gather(v)
-        if mask is not None:
-            return attend(q, k, v, mask)
-        return causal_chunks(q, k, v, self.cp_rank, self.cp)
+        if batch is None or (self.spec.fused_causal and not batch.documents_apply(self.spec)):
+            return causal_chunks(q, k, v, self.cp_rank, self.cp, self.spec.scale)
+        return attend(self.spec, q, k, v, batch)
 
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
         """[batch, heads, seq/cp, head_dim] -> [batch, heads, seq, head_dim], the ranks'
@@ -89,21 +93,26 @@ class ContextParallelAttention(nn.Module):
 
 
 def causal_chunks(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_rank: int, cp: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cp_rank: int,
+    cp: int,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of CP rank `cp_rank`'s queries (its chunks cp_rank and 2cp-1-cp_rank,
     [batch, heads, 2 x chunk, head_dim]) over the gathered keys and values (rank-major, KV
-    heads): the keys put back in position order, each chunk attends to the keys before it
-    and, causally, to its own."""
+    heads, not repeated): the keys put back in position order, each chunk attends to the keys
+    before it and, causally, to its own."""
     chunk = k.shape[2] // (2 * cp)
     k, v = _in_position_order(k, cp, chunk), _in_position_order(v, cp, chunk)
-    n_rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
     outs = []
     for q_chunk, index in zip(q.split(chunk, dim=2), (cp_rank, 2 * cp - 1 - cp_rank)):
         end = (index + 1) * chunk
-        outs.append(F.scaled_dot_product_attention(q_chunk, k[:, :, :end], v[:, :, :end],
-                                                   _lower_right_causal(chunk, end, q.device)))  # fmt: skip
+        mask = _lower_right_causal(chunk, end, q.device)
+        outs.append(F.scaled_dot_product_attention(
+            q_chunk, k[:, :, :end], v[:, :, :end], mask, scale=scale, enable_gqa=True
+        ))  # fmt: skip
     return torch.cat(outs, dim=2)
 
 
@@ -128,10 +137,13 @@ def _lower_right_causal(queries: int, keys: int, device: torch.device):
     return causal_lower_right(queries, keys)
 
 
+_ATTENTION_FUNCTIONS = (F.scaled_dot_product_attention, flex_attention)
+
+
 def _own_attention(model: nn.Module, seq_len: int) -> dict[str, str]:
     """{module name: what it does} for attention computed outside the shared core, found by
     one forward of `model` (on the meta device: shapes only) that records each
-    scaled_dot_product_attention call and the innermost module it came from. A forward that
+    attention call (SDPA, FlexAttention) and the innermost module it came from. A forward that
     a meta tensor cannot run (data-dependent shapes, such as MoE routing) stops there; what ran
     until then is still checked."""
     stack: list[str] = []
@@ -139,10 +151,10 @@ def _own_attention(model: nn.Module, seq_len: int) -> dict[str, str]:
 
     class Recorder(torch.overrides.TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
-            if func is F.scaled_dot_product_attention and stack:
+            if func in _ATTENTION_FUNCTIONS and stack:
                 owner = stack[-1]
-                if not isinstance(model.get_submodule(owner), ScaledDotProductAttention):
-                    found.setdefault(owner, "calls scaled_dot_product_attention itself")
+                if not isinstance(model.get_submodule(owner), AttentionCore):
+                    found.setdefault(owner, f"calls {func.__name__} itself")
             return func(*args, **(kwargs or {}))
 
     def enter(name: str):
@@ -172,41 +184,41 @@ def attention_problems(model: nn.Module, seq_len: int) -> list[str]:
     train another model), and attention computed outside the shared core (it would see only
     the rank's tokens). Checked with the config, before any process group."""
     problems = [
-        f"{name} ({type(m).__name__}) subclasses models.attention.ScaledDotProductAttention "
+        f"{name} ({type(m).__name__}) subclasses models.attention.AttentionCore "
         "with attention math of its own, which the context-parallel core would replace"
         for name, m in model.named_modules()
-        if isinstance(m, ScaledDotProductAttention) and type(m) is not ScaledDotProductAttention
+        if isinstance(m, AttentionCore) and type(m) is not AttentionCore
     ]
     problems += [f"{name} {what}" for name, what in _own_attention(model, seq_len).items()]
-    cores = [m for m in model.modules() if type(m) is ScaledDotProductAttention]
+    cores = [m for m in model.modules() if type(m) is AttentionCore]
     if not cores and not problems:
-        problems.append(f"{type(model).__name__} has no models.attention.ScaledDotProductAttention")
+        problems.append(f"{type(model).__name__} has no models.attention.AttentionCore")
     if not problems:
         return []
     return [
         "parallelism.context_parallel_degree > 1 cannot honour this model's attention: "
         + "; ".join(problems)
-        + ". Only the shared core is split over the CP ranks: route every attention layer "
-        "through models.attention.ScaledDotProductAttention itself (docs/adding_a_model.md), "
-        "or set parallelism.context_parallel_degree = 1."
+        + ". Only the shared core, which computes a declared AttentionSpec, is split over the "
+        "CP ranks: route every attention layer through models.attention.AttentionCore itself "
+        "with its spec (docs/adding_a_model.md), or set parallelism.context_parallel_degree = 1."
     ]
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> int:
-    """Swaps every shared attention core (exactly `models.attention.ScaledDotProductAttention`:
-    a subclass has math of its own, refused by `attention_problems`) of `model` for
-    `ContextParallelAttention`; returns how many. A model without one cannot run CP: its
-    attention would silently see only the rank's tokens."""
+    """Swaps every attention core (exactly `models.attention.AttentionCore`: a subclass has
+    math of its own, refused by `attention_problems`) of `model` for `ContextParallelAttention`
+    with the core's spec; returns how many. A model without one cannot run CP: its attention
+    would silently see only the rank's tokens."""
     swapped = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if type(child) is ScaledDotProductAttention:
-                setattr(module, name, ContextParallelAttention(cp_mesh))
+            if type(child) is AttentionCore:
+                setattr(module, name, ContextParallelAttention(cp_mesh, child.spec))
                 swapped += 1
     if swapped == 0:
         raise ValueError(
             f"context parallelism: {type(model).__name__} has no "
-            "models.attention.ScaledDotProductAttention module, so its attention cannot see the "
+            "models.attention.AttentionCore module, so its attention cannot see the "
             "other CP ranks' tokens. Route the family's attention through it (see "
             "docs/adding_a_model.md), or set parallelism.context_parallel_degree = 1."
         )

@@ -269,10 +269,12 @@ def build_checkpointer(cfg, parallel_dims, model_parts, optimizer, lr_scheduler,
 
 
 def sequence_split(cfg: JobConfig, parallel_dims: ParallelDims, tokenizer) -> SequenceSplit:
-    """This rank's CP shard of the sequences, and document masking's end-of-document id."""
+    """This rank's CP shard of the sequences, document masking's end-of-document id, and
+    whether stages need the positions given (pipeline parallelism)."""
     cp_rank, cp = parallel_dims.coordinate("cp")
     eos_id = tokenizer.eos_id if cfg.training.document_mask else None
-    return SequenceSplit(cp_rank=cp_rank, cp=cp, eos_id=eos_id)
+    pp = parallel_dims.coordinate("pp")[1]
+    return SequenceSplit(cp_rank=cp_rank, cp=cp, eos_id=eos_id, positions=pp > 1)
 
 
 def build_step_setup(cfg, parallel_dims, device, built, loss_fn, tokens_per_rank_step, split):

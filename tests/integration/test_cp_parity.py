@@ -24,6 +24,7 @@ from parity import (
     EXACT,
     FP32,
     MOE_FP32,
+    QWEN3_COMPILED_CP_FP32,
     QWEN3_FP32,
     STEPS,
     Layout,
@@ -59,7 +60,7 @@ LAYOUTS = table(
     Layout("llama_cp2_pp2", 4, ("--parallelism.context_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2"), "llama", FP32),
     Layout("llama_cp2_pp2_doc", 4, ("--parallelism.context_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2", "--training.document_mask=true"), "llama_doc", FP32),
     # 2 ranks compile: half the gcc work of 4
-    Layout("qwen3_cp2", 2, (*QWEN3, "--parallelism.context_parallel_degree=2", "--compile.enable=true"), "qwen3", QWEN3_FP32),
+    Layout("qwen3_cp2", 2, (*QWEN3, "--parallelism.context_parallel_degree=2", "--compile.enable=true"), "qwen3", QWEN3_COMPILED_CP_FP32),
     Layout("qwen3_cp2_doc", 2, (*QWEN3, "--parallelism.context_parallel_degree=2", "--training.document_mask=true"), "qwen3_doc", QWEN3_FP32),
     Layout("qwen3_cp4_accum", 4, (*QWEN3, "--parallelism.context_parallel_degree=4", "--training.local_batch_size=4", "--training.global_batch_size=8"), "qwen3", QWEN3_FP32),
     Layout("qwen3_cp4_accum_doc", 4, (*QWEN3, "--parallelism.context_parallel_degree=4", "--training.local_batch_size=4", "--training.global_batch_size=8", "--training.document_mask=true"), "qwen3_doc", QWEN3_FP32),

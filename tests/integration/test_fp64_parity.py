@@ -62,6 +62,7 @@ LAYOUTS = table(
     Layout("llama_cp2", 2, (*LLAMA, "--parallelism.context_parallel_degree=2"), "llama", FP64),
     Layout("qwen3_fsdp2", 2, (*QWEN3, "--training.local_batch_size=4"), "qwen3", FP64),
     Layout("qwen3_tp2", 2, (*QWEN3, "--parallelism.tensor_parallel_degree=2"), "qwen3", FP64),
+    Layout("qwen3_cp2_compile", 2, (*QWEN3, "--parallelism.context_parallel_degree=2", "--compile.enable=true"), "qwen3", FP64),
     Layout("moe_ep2", 2, (*MOE_AUX, "--parallelism.expert_parallel_degree=2", "--training.local_batch_size=4"), "moe", FP64),
     Layout("moe_ep2_pp2", 4, (*MOE_Z_BIAS, "--parallelism.expert_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2", "--training.local_batch_size=4"), "moe_z_bias", FP64),
     # DDP's experts average over fewer ranks than they divide by (EP ranks hold the sum over

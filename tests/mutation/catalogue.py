@@ -244,10 +244,10 @@ MUTANTS = [
         "cp_local_rope_positions",
         "CP: RoPE uses each rank's local positions 0..seq/cp-1 instead of its tokens' global ones",
         "training/inputs.py",
-        'kwargs = {"positions": mine.expand(batch, -1)}',
-        'kwargs = {"positions": torch.arange(len(mine), device=inputs.device).expand(batch, -1)}',
+        'kwargs = {"positions": mine.expand(batch, -1), ',
+        'kwargs = {"positions": torch.arange(len(mine), device=inputs.device).expand(batch, -1), ',
         (
-            f"{CP_UNIT}::test_cp_shard_mask_is_the_full_mask_between_its_queries_and_the_gathered_keys",
+            f"{CP_UNIT}::test_cp_shard_gives_its_queries_and_the_gathered_keys_positions_and_documents",
             f"{CP_PARITY}[llama_cp2]",
         ),
     ),
@@ -387,8 +387,8 @@ MUTANTS = [
         "CP swaps a subclass of the shared attention core (a family's own attention math) for "
         "the plain CP core: the run trains another model",
         "parallelisms/context_parallel.py",
-        "            if type(child) is ScaledDotProductAttention:",
-        "            if isinstance(child, ScaledDotProductAttention):",
+        "            if type(child) is AttentionCore:",
+        "            if isinstance(child, AttentionCore):",
         (f"{CP_UNIT}::test_cp_refuses_attention_it_cannot_honour_naming_the_module",),
     ),
     Mutant(

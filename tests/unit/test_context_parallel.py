@@ -1,6 +1,6 @@
-"""Context parallelism's sequence split and masks, and the model contract it rests on (global
-RoPE positions and an explicit mask give the same attention as one process), without
-processes; tests/integration/test_cp_parity.py trains the real layouts."""
+"""Context parallelism's sequence split, and the model contract it rests on (global RoPE
+positions and the keys' positions give the same attention as one process, for every attention
+spec), without processes; tests/integration/test_cp_parity.py trains the real layouts."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from dist_utils import fake_world
 from torch import nn
 
-from models.attention import ScaledDotProductAttention, attend
+from models.attention import AttentionCore, AttentionSpec, attend
 from models.llama3.model import ModelArgs, Transformer
 from models.qwen3.model import Qwen3, Qwen3Args
 from parallelisms.context_parallel import (
@@ -19,7 +19,7 @@ from parallelisms.context_parallel import (
     gathered_positions,
     local_positions,
 )
-from training.inputs import SequenceSplit, attention_mask, document_ids, sequence_inputs
+from training.inputs import SequenceSplit, document_ids, sequence_inputs
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
@@ -45,14 +45,6 @@ def test_documents_end_with_their_end_token():
     ]
 
 
-def test_masks_are_causal_within_documents():
-    pos = torch.arange(4)
-    assert torch.equal(attention_mask(pos, pos)[0, 0], torch.ones(4, 4, dtype=torch.bool).tril())
-    docs = torch.tensor([[0, 0, 1, 1]])
-    want = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]], dtype=torch.bool)
-    assert torch.equal(attention_mask(pos, pos, docs, docs)[0, 0], want)
-
-
 def test_plain_layouts_keep_the_batch_and_the_default_attention():
     x, y = torch.randint(0, 9, (2, 8)), torch.randint(0, 9, (2, 8))
     got_x, got_y, kwargs = sequence_inputs(SequenceSplit(), x, y)
@@ -60,23 +52,31 @@ def test_plain_layouts_keep_the_batch_and_the_default_attention():
 
 
 @pytest.mark.parametrize("eos_id", [None, 3])
-def test_cp_shard_mask_is_the_full_mask_between_its_queries_and_the_gathered_keys(eos_id):
+def test_cp_shard_gives_its_queries_and_the_gathered_keys_positions_and_documents(eos_id):
     cp, seq = 2, 16
     x = torch.randint(0, 6, (3, seq))
     y = torch.roll(x, -1, 1)
-    full = attention_mask(torch.arange(seq), torch.arange(seq),
-                          *([document_ids(x, eos_id)] * 2 if eos_id else []))  # fmt: skip
     keys = gathered_positions(seq, cp)
     for r in range(cp):
         mine = local_positions(seq, r, cp)
         lx, ly, kw = sequence_inputs(SequenceSplit(r, cp, eos_id), x, y)
         assert torch.equal(lx, x[:, mine]) and torch.equal(ly, y[:, mine])
         assert torch.equal(kw["positions"], mine.expand(3, -1))
-        if eos_id is None:  # plain CP: the attention is causal chunk by chunk, no mask
-            assert "attention_mask" not in kw
+        assert torch.equal(kw["key_positions"], keys.expand(3, -1))
+        if eos_id is None:
+            assert "documents" not in kw and "key_documents" not in kw
             continue
-        assert kw["attention_mask"].shape == (3, 1, seq // cp, seq)
-        assert torch.equal(kw["attention_mask"], full[:, :, mine][:, :, :, keys])
+        docs = document_ids(x, eos_id)
+        assert torch.equal(kw["documents"], docs[:, mine])
+        assert torch.equal(kw["key_documents"], docs[:, keys])
+
+
+def test_pipeline_layouts_give_positions():
+    """A stage after the first cannot tell the sequence from its (maybe sequence-sharded)
+    input: with `positions` the batch carries them."""
+    x = torch.randint(0, 9, (2, 8))
+    _, _, kwargs = sequence_inputs(SequenceSplit(positions=True), x, x)
+    assert torch.equal(kwargs["positions"], torch.arange(8).expand(2, -1))
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -86,7 +86,7 @@ def test_causal_chunks_equal_full_causal_attention_of_the_ranks_queries(cp):
     torch.manual_seed(0)
     seq = 16
     q, k, v = torch.randn(2, 4, seq, 8), torch.randn(2, 2, seq, 8), torch.randn(2, 2, seq, 8)
-    want = attend(q, k, v)  # one process: causal over the whole sequence
+    want = attend(AttentionSpec(), q, k, v)  # one process: causal over the whole sequence
     keys = gathered_positions(seq, cp)
     for r in range(cp):
         mine = local_positions(seq, r, cp)
@@ -102,23 +102,29 @@ def _tiny(family):
                            vocab_size=64, max_seq_len=16, ffn_dim=64))  # fmt: skip
 
 
+SPECS = [AttentionSpec(), AttentionSpec(window=5), AttentionSpec(softcap=2.0, scale=0.3),
+         AttentionSpec(window=3, softcap=1.5)]  # fmt: skip
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"window{s.window}_softcap{s.softcap}")
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_permuted_tokens_with_their_positions_and_mask_give_the_same_logits(family):
-    """What a CP rank computes, in one process: tokens in the CP order, RoPE at their global
-    positions and the mask over the reordered keys give each token the logits it has in the
-    plain causal model; an explicit causal mask equals the default."""
+def test_permuted_tokens_with_their_positions_give_the_same_logits(family, spec):
+    """What a CP rank computes, in one process, for every attention spec: tokens in the CP
+    order, RoPE and masks at their global positions (the keys' given as well) give each token
+    the logits it has in the model over the sequence in order; windows cross the chunks."""
     torch.manual_seed(0)
     model = _tiny(family).eval()
+    for core in [m for m in model.modules() if isinstance(m, AttentionCore)]:
+        core.spec = spec
+    model.attention_specs = [spec]
     tokens = torch.randint(0, 64, (2, 16))
-    order = gathered_positions(16, 2)
+    order = gathered_positions(16, 2).expand(2, -1)
     with torch.no_grad():
         want = model(tokens)
-        pos = torch.arange(16)
-        masked = model(tokens, attention_mask=attention_mask(pos, pos).expand(2, -1, -1, -1))
-        got = model(tokens[:, order], positions=order.expand(2, -1),
-                    attention_mask=attention_mask(order, order).expand(2, -1, -1, -1))  # fmt: skip
-    torch.testing.assert_close(masked, want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got, want[:, order], rtol=1e-5, atol=1e-5)
+        got = model(tokens[:, order[0]], positions=order, key_positions=order)
+        explicit = model(tokens, positions=torch.arange(16).expand(2, -1))
+    torch.testing.assert_close(explicit, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want[:, order[0]], rtol=1e-5, atol=1e-5)
 
 
 def test_documents_do_not_see_each_other():
@@ -134,22 +140,22 @@ def test_documents_do_not_see_each_other():
 
 
 def test_a_model_without_the_shared_attention_core_is_refused():
-    with pytest.raises(ValueError, match="no models.attention.ScaledDotProductAttention"):
+    with pytest.raises(ValueError, match="no models.attention.AttentionCore"):
         apply_context_parallel(nn.Sequential(nn.Linear(2, 2)), cp_mesh=None)
 
 
-class SoftCappedCore(ScaledDotProductAttention):
+class SoftCappedCore(AttentionCore):
     """A family's own attention math on the shared core's hook (what CP must not replace)."""
 
-    def forward(self, q, k, v, mask=None):
-        return attend(q, k, v, mask) * 0.5
+    def forward(self, q, k, v, batch=None):
+        return attend(self.spec, q, k, v, batch) * 0.5
 
 
 class OwnCore(nn.Module):
     """Attention a family computes itself (Gemma 3's shape: some layers on their own core)."""
 
-    def forward(self, q, k, v, mask=None):
-        return attend(q, k, v, mask)
+    def forward(self, q, k, v, batch=None):
+        return attend(AttentionSpec(), q, k, v, batch)
 
 
 def _tiny_llama(core_of_layer_1=None) -> Transformer:

@@ -1,0 +1,184 @@
+"""The attention contract's core: every spec (causal or not, sliding window, soft-capping, a
+softmax scale, document masking) computed through block masks equals the dense definition in
+value and gradient, on grouped-query heads and on keys in any order (context parallelism's
+gathered chunks); FlexAttention reads the same block masks; nothing quadratic is kept."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.attention import AttentionBatch, AttentionSpec, attend, attention_batch
+from models.block_attention import block_sparsity, visible
+from parallelisms.context_parallel import gathered_positions, local_positions
+
+SPECS = [
+    AttentionSpec(),
+    AttentionSpec(window=24),
+    AttentionSpec(softcap=4.0, scale=0.3),
+    AttentionSpec(window=70, softcap=2.5),
+    AttentionSpec(causal=False),
+    AttentionSpec(document_mask=False, window=9),
+]
+
+
+def _name(spec: AttentionSpec) -> str:
+    return f"c{int(spec.causal)}_w{spec.window}_s{spec.softcap}_d{int(spec.document_mask)}"
+
+
+def dense(spec, q, k, v, q_pos, k_pos, q_doc=None, k_doc=None):
+    """The definition: scores over every pair, masked by `visible`, K/V repeated."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = q @ k.transpose(-1, -2) * (spec.scale or q.shape[-1] ** -0.5)
+    if spec.softcap:
+        s = spec.softcap * torch.tanh(s / spec.softcap)
+    docs = (q_doc[:, :, None], k_doc[:, None, :]) if q_doc is not None else (None, None)
+    seen = visible(q_pos[:, :, None], k_pos[:, None, :], *docs, spec.causal, spec.window)
+    return torch.softmax(s.masked_fill(~seen[:, None], float("-inf")), -1) @ v
+
+
+def _qkv(batch, heads, kv_heads, q_len, k_len, dim=16, dtype=torch.float64):
+    g = torch.Generator().manual_seed(0)
+    shapes = [
+        (batch, heads, q_len, dim),
+        (batch, kv_heads, k_len, dim),
+        (batch, kv_heads, k_len, dim),
+    ]
+    return [torch.randn(s, generator=g, dtype=dtype, requires_grad=True) for s in shapes]
+
+
+def _documents(batch: int, seq: int, every: int = 37) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    ends = torch.rand(batch, seq, generator=g) < 1 / every
+    return torch.cumsum(ends.int(), -1, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("documents", [False, True])
+@pytest.mark.parametrize("spec", SPECS, ids=_name)
+def test_every_spec_equals_the_dense_definition_with_its_gradients(spec, documents):
+    batch, seq = 2, 384  # three blocks of 128
+    q, k, v = _qkv(batch, 4, 2, seq, seq)
+    docs = _documents(batch, seq) if documents else None
+    ab = attention_batch([spec], batch, seq, q.device, documents=docs)
+    got = attend(spec, q, k, v, ab)
+    pos = torch.arange(seq).expand(batch, -1)
+    want = dense(spec, q, k, v, pos, pos, *((docs, docs) if documents and spec.document_mask
+                                            else (None, None)))  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    grad = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), grad),
+                    torch.autograd.grad(want, (q, k, v), grad)):  # fmt: skip
+        torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11)
+
+
+@pytest.mark.parametrize("spec", SPECS[:4], ids=_name)
+def test_keys_in_context_parallel_order_give_each_ranks_rows(spec):
+    """A CP rank's queries (two chunks) against the gathered keys (rank-major) through the
+    block mask equal those rows of the attention over the sequence in order, windows crossing
+    chunk and rank boundaries included."""
+    batch, seq, cp = 1, 512, 2
+    q, k, v = _qkv(batch, 4, 1, seq, seq)
+    docs = _documents(batch, seq, every=150)
+    pos = torch.arange(seq).expand(batch, -1)
+    want = dense(spec, q, k, v, pos, pos, docs, docs)
+    keys = gathered_positions(seq, cp)
+    for r in range(cp):
+        mine = local_positions(seq, r, cp)
+        ab = attention_batch([spec], batch, seq // cp, q.device, mine.expand(batch, -1),
+                             docs[:, mine], keys.expand(batch, -1), docs[:, keys])  # fmt: skip
+        got = attend(spec, q[:, :, mine], k[:, :, keys], v[:, :, keys], ab)
+        torch.testing.assert_close(got, want[:, :, mine], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=_name)
+def test_flex_attention_reads_the_same_block_masks(spec):
+    """The CUDA backend's input: torch's FlexAttention (forward; CPU has no backward) over the
+    BlockMask the model builds, with the spec's score modification, equals the CPU kernel."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    batch, seq = 2, 256
+    q, k, v = (t.detach().float() for t in _qkv(batch, 4, 2, seq, seq))
+    docs = _documents(batch, seq)
+    ab = attention_batch([spec], batch, seq, q.device, documents=docs)
+    ab = ab if ab is not None and spec.key in ab.masks else _with_mask(spec, ab, batch, seq)
+    cap = spec.softcap
+    with torch.no_grad():
+        got = flex_attention(
+            q, k, v, block_mask=ab.masks[spec.key], scale=spec.scale, enable_gqa=True,
+            score_mod=None if cap is None else (lambda s, b, h, i, j: cap * torch.tanh(s / cap)),
+        )  # fmt: skip
+        want = attend(spec, q, k, v, ab)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _with_mask(spec, ab, batch, seq) -> AttentionBatch:
+    """A batch forced onto the block-mask path (a plain spec needs none on its own)."""
+    from models.attention import block_mask
+
+    pos = torch.arange(seq).expand(batch, -1)
+    forced = AttentionBatch(pos, pos, ab.documents if ab else None,
+                            ab.key_documents if ab else None, keys_given=True)  # fmt: skip
+    forced.masks[spec.key] = block_mask(spec, forced)
+    return forced
+
+
+def test_plain_causal_attention_needs_no_batch_and_uses_sdpa():
+    specs = [AttentionSpec(), AttentionSpec(scale=0.5)]
+    assert attention_batch(specs, 2, 256, torch.device("cpu")) is None
+    windowed = attention_batch([AttentionSpec(window=8)], 2, 256, torch.device("cpu"))
+    assert list(windowed.masks) == [AttentionSpec(window=8).key]
+
+
+def test_block_sparsity_skips_blocks_no_pair_of_which_is_visible():
+    """Documents of 128 tokens aligned with the blocks: each query block reads its own block
+    only, as a partial (causal) block; a window of one block reads the diagonal too."""
+    seq, size = 1024, 128
+    pos = torch.arange(seq)[None]
+    docs = (torch.arange(seq) // 128)[None]
+    num, idx, full_num, full_idx = block_sparsity(pos, pos, docs, docs, size, True, None)
+    assert num.tolist() == [[[1] * 8]] and full_num.tolist() == [[[0] * 8]]
+    assert idx[0, 0, :, 0].tolist() == list(range(8))
+    num, idx, full_num, full_idx = block_sparsity(pos, pos, None, None, size, True, None)
+    assert num.sum() == 8 and full_num[0, 0].tolist() == list(range(8))  # causal: full below
+    num, _, full_num, _ = block_sparsity(pos, pos, None, None, size, True, 128)
+    assert num[0, 0].tolist() == [1] + [2] * 7 and full_num.sum() == 0
+
+
+def _saved_bytes(spec, seq, documents_every=64) -> int:
+    batch = 1
+    q, k, v = _qkv(batch, 4, 1, seq, seq, dtype=torch.float32)
+    docs = (torch.arange(seq) // documents_every)[None].int()
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        ab = attention_batch([spec], batch, seq, q.device, documents=docs)
+        attend(spec, q, k, v, ab)
+    return total
+
+
+@pytest.mark.parametrize("spec", [AttentionSpec(), AttentionSpec(window=64, softcap=3.0)],
+                         ids=_name)  # fmt: skip
+def test_what_attention_keeps_for_backward_grows_linearly_with_the_sequence(spec):
+    """Documents of 64 tokens: 4x the sequence keeps 4x the bytes (the old dense document mask
+    kept 16x), whatever the spec."""
+    small, large = _saved_bytes(spec, 512), _saved_bytes(spec, 2048)
+    assert large <= 4 * small * 1.01, (small, large)
+
+
+def test_a_compiled_block_keeps_the_kernel_one_node():
+    """fullgraph compile (what regional compile does) traces through the custom op."""
+    spec = AttentionSpec(window=40, softcap=3.0)
+    batch, seq = 1, 256
+    q, k, v = _qkv(batch, 4, 2, seq, seq, dtype=torch.float32)
+    docs = _documents(batch, seq)
+    ab = attention_batch([spec], batch, seq, q.device, documents=docs)
+    compiled = torch.compile(lambda *a: attend(spec, *a, ab), fullgraph=True, backend="eager")
+    got, want = compiled(q, k, v), attend(spec, q, k, v, ab)
+    torch.testing.assert_close(got, want)
+    torch.autograd.grad(got.sum(), (q, k, v))
