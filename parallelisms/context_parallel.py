@@ -79,17 +79,23 @@ class ContextParallelAttention(nn.Module):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch | None = None
     ) -> torch.Tensor:
-        k, v = self._gather(k), self._gather(v)
-        if batch is None or (self.spec.fused_causal and not batch.documents_apply(self.spec)):
+        # K and V in one all-gather: one collective per layer, and one saved output under
+        # per-op AC (two same-shaped gathers were replayed swapped in a compiled recompute)
+        k, v = self._gather(torch.stack([k, v])).unbind(0)
+        plain = batch is None or (self.spec.fused_causal and not batch.documents_apply(self.spec))
+        # Compiled blocks and dispatch modes (memory tracker, FLOP counter) cannot build torch's
+        # lower-right causal bias: they take the block mask instead of a [chunk, seq] one.
+        traced = torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+        if plain and (batch is None or not traced):
             return causal_chunks(q, k, v, self.cp_rank, self.cp, self.spec.scale)
         return attend(self.spec, q, k, v, batch)
 
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
-        """[batch, heads, seq/cp, head_dim] -> [batch, heads, seq, head_dim], the ranks'
+        """[2, batch, heads, seq/cp, head_dim] -> [2, batch, heads, seq, head_dim], the ranks'
         shards in rank order; the backward reduce-scatters the gradient. Gathered along dim 0
         (the one dimension every torch version's functional all-gather supports)."""
-        gathered = _all_gather_autograd(x.transpose(0, 2).contiguous(), 0, self.group_name)
-        return gathered.transpose(0, 2)
+        gathered = _all_gather_autograd(x.transpose(0, 3).contiguous(), 0, self.group_name)
+        return gathered.transpose(0, 3)
 
 
 def causal_chunks(
@@ -126,14 +132,9 @@ def _in_position_order(x: torch.Tensor, cp: int, chunk: int) -> torch.Tensor:
 
 
 def _lower_right_causal(queries: int, keys: int, device: torch.device):
-    """Query i of the last `queries` positions sees keys 0..keys-queries+i. Eager: torch's
-    causal bias, which CUDA's fused kernels apply without building a mask (CPU SDPA builds
-    it). Compiled blocks, and runs under a dispatch mode (memory tracker, FLOP counter), get
-    the [queries, keys] boolean mask, shared by the batch: neither can create the bias's
-    tensor subclass."""
-    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
-        full = torch.ones(queries, keys, dtype=torch.bool, device=device)
-        return full.tril(diagonal=keys - queries)
+    """Query i of the last `queries` positions sees keys 0..keys-queries+i: torch's causal bias,
+    which CUDA's fused kernels apply without building a mask (CPU SDPA builds it per chunk).
+    Eager only (`ContextParallelAttention` gives traced runs the block mask)."""
     return causal_lower_right(queries, keys)
 
 

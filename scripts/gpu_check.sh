@@ -12,6 +12,10 @@
 #   NGPU=8 LAYERS=32 scripts/gpu_check.sh
 #   OUT=/some/folder scripts/gpu_check.sh   # also copies the tables and run logs there
 #
+# First, scripts/attention_check.py: the attention backends on CUDA in bf16 (SDPA's causal
+# kernels, FlexAttention over the block masks: document mask, sliding window, soft-cap),
+# forward and backward against float64, into benchmarks/gpu_attention/check.md.
+#
 # Offline by design (GPU machines here reach no network): the bundled sample corpus, and a
 # synthetic tiktoken file with Llama 3's vocabulary size, so the embedding and output layers
 # have the 8B shape (token statistics do not matter for speed). Results land in
@@ -34,12 +38,16 @@ if [ -n "${CHECK_ONLY:-}" ]; then  # config checks and model size only, no GPU n
 fi
 [ "$NGPU" -ge 1 ] || { echo "gpu_check.sh: no GPU found (nvidia-smi -L); set NGPU" >&2; exit 2; }
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+status=0
+mkdir -p benchmarks/gpu_attention
+"$PY" scripts/attention_check.py --device cuda --dtype bfloat16 --seq 4096 \
+    --output benchmarks/gpu_attention/check.md || status=$?
+if [ -n "${OUT:-}" ]; then mkdir -p "$OUT/gpu_attention"; cp benchmarks/gpu_attention/check.md "$OUT/gpu_attention/" || true; fi
 if [ "$NGPU" -gt 1 ]; then EAGER=("zero3_${NGPU}") COMPILED=("zero3_${NGPU}" --compile.enable true)
 else EAGER=(single_eager) COMPILED=(single_compiled); fi
 # Both invocations run even if one fails; with OUT set (a folder to collect results) each one's
 # table (bench.md, bench.json) and its run's log (every logged step) are copied there, since
-# OUT is what a remote run returns: 6 files in all.
-status=0
+# OUT is what a remote run returns: 7 files in all with the attention check.
 for kind in eager compiled; do
   [ "$kind" = eager ] && set -- "${EAGER[@]}" || set -- "${COMPILED[@]}"
   row=$1; shift

@@ -68,6 +68,12 @@ LAYOUTS = table(
     # DDP's experts average over fewer ranks than they divide by (EP ranks hold the sum over
     # the EP group's tokens): reduced once per step, after accumulation or the schedule
     Layout("moe_ep2_ddp_accum", 2, (*MOE_Z_BIAS, "--parallelism.expert_parallel_degree=2", "--parallelism.zero_stage=0", "--training.local_batch_size=2", "--training.global_batch_size=8"), "moe_z_bias", FP64),
+    # Every feature of the #23 silent case at once: Qwen3-MoE, PP 2 x CP 2, compiled attention
+    # (the K/V gather in a compiled region inside an eager per-op checkpoint), per-op AC. With
+    # K and V gathered by two same-shaped collectives, this row's gradients were wrong from
+    # step 1 (loss 1.66e-3 off by step 4; exact without compile or without per-op AC): K/V
+    # are now gathered in one collective.
+    Layout("moe_cp2_pp2_compile_ac_op", 4, (*MOE_Z_BIAS, "--parallelism.context_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2", "--compile.enable=true", "--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op"), "moe_z_bias", FP64),
     Layout("moe_ep2_pp2_ddp", 4, (*MOE_Z_BIAS, "--parallelism.expert_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2", "--parallelism.zero_stage=0", "--training.local_batch_size=4"), "moe_z_bias", FP64),
 )
 # fmt: on

@@ -17,6 +17,7 @@ CP_UNIT = "tests/unit/test_context_parallel.py"
 OPTION = "tests/unit/test_option_effects.py::test_option_takes_effect"
 FP64_PARITY = "tests/integration/test_fp64_parity.py::test_fp64_layout_matches_one_process"
 RESUME = "tests/unit/test_option_effects.py::test_resume_restores_every_counter"
+ATTN = "tests/unit/test_attention.py"
 
 
 @dataclass(frozen=True)
@@ -411,5 +412,50 @@ MUTANTS = [
         '"preserve_rng_state": _draws_random_numbers(block)',
         '"preserve_rng_state": False',
         ("tests/unit/test_parallel_units.py::test_ac_replays_dropout_masks_in_recomputation",),
+    ),
+    Mutant(
+        "block_mask_full_blocks_too_wide",
+        "block masks: a key block counts as fully visible when its first key (not its last) "
+        "precedes the query block, so queries see later keys of it unmasked",
+        "models/block_attention.py",
+        "some, every = some & (kmin <= qmax), every & (kmax <= qmin)",
+        "some, every = some & (kmin <= qmax), every & (kmin <= qmin)",
+        (f"{ATTN}::test_every_spec_equals_the_dense_definition_with_its_gradients",),
+    ),
+    Mutant(
+        "sliding_window_one_too_wide",
+        "sliding window: a query sees window + 1 positions",
+        "models/block_attention.py",
+        "ok = ok & (q_pos - k_pos < window)",
+        "ok = ok & (q_pos - k_pos <= window)",
+        (f"{ATTN}::test_every_spec_equals_the_dense_definition_with_its_gradients",),
+    ),
+    Mutant(
+        "softcap_backward_ignores_tanh",
+        "soft-capping: the backward treats the cap as the identity (no tanh derivative)",
+        "models/block_attention.py",
+        "            ds = ds * (1 - t * t)\n",
+        "            ds = ds\n",
+        (f"{ATTN}::test_every_spec_equals_the_dense_definition_with_its_gradients",),
+    ),
+    Mutant(
+        "cp_masks_use_query_positions_for_keys",
+        "CP with a block mask: the keys' positions are taken to be the queries' (the rank's "
+        "own), not the gathered keys'",
+        "models/attention.py",
+        "        positions if key_positions is None else key_positions,\n",
+        "        positions,\n",
+        (
+            f"{ATTN}::test_keys_in_context_parallel_order_give_each_ranks_rows",
+            f"{CP_PARITY}[llama_cp2_doc]",
+        ),
+    ),
+    Mutant(
+        "document_mask_ignores_the_spec",
+        "document masking applies to a layer whose spec turns it off",
+        "models/attention.py",
+        "return self.documents is not None and spec.document_mask",
+        "return self.documents is not None",
+        (f"{ATTN}::test_every_spec_equals_the_dense_definition_with_its_gradients",),
     ),
 ]
