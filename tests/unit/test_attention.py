@@ -182,3 +182,25 @@ def test_a_compiled_block_keeps_the_kernel_one_node():
     got, want = compiled(q, k, v), attend(spec, q, k, v, ab)
     torch.testing.assert_close(got, want)
     torch.autograd.grad(got.sum(), (q, k, v))
+
+
+def test_the_kernels_fake_outputs_have_the_real_ones_strides():
+    """What compile sees of the custom ops (their fake kernels) is what they return: contiguous
+    results, also for a transposed q (as attention layers pass it, [batch, seq, heads, dim]
+    transposed). A fake that copied q's strides failed every compiled windowed, soft-capped
+    or document-masked layer at run time (inductor asserts the strides)."""
+    spec = AttentionSpec(window=40, softcap=3.0)
+    batch, seq = 1, 256
+    q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2) for t in
+               _qkv(batch, 4, 2, seq, seq, dtype=torch.float32))  # fmt: skip
+    ab = attention_batch([spec], batch, seq, q.device, documents=_documents(batch, seq))
+    mask = ab.masks[spec.key]
+    args = (q, k, v, mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks,
+            mask.full_kv_indices, ab.positions, ab.key_positions, ab.documents,
+            ab.key_documents, True, 40, 3.0, 0.25, mask.BLOCK_SIZE[0])  # fmt: skip
+    torch.library.opcheck(torch.ops.meshtrain.block_attention.default, args,
+                          test_utils=("test_faketensor",))  # fmt: skip
+    out, lse = torch.ops.meshtrain.block_attention.default(*args)
+    grad_args = (out.detach(), q, k, v, out, lse, *args[3:])
+    torch.library.opcheck(torch.ops.meshtrain.block_attention_backward.default, grad_args,
+                          test_utils=("test_faketensor",))  # fmt: skip
