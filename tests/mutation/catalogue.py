@@ -18,6 +18,8 @@ OPTION = "tests/unit/test_option_effects.py::test_option_takes_effect"
 FP64_PARITY = "tests/integration/test_fp64_parity.py::test_fp64_layout_matches_one_process"
 RESUME = "tests/unit/test_option_effects.py::test_resume_restores_every_counter"
 ATTN = "tests/unit/test_attention.py"
+GEMMA2_LOGITS = "tests/unit/test_gemma2.py::test_logits_match_transformers"
+GEMMA2_PARITY = "tests/integration/test_gemma2_parity.py::test_gemma2_layout_matches_one_process"
 
 
 @dataclass(frozen=True)
@@ -457,5 +459,37 @@ MUTANTS = [
         "return self.documents is not None and spec.document_mask",
         "return self.documents is not None",
         (f"{ATTN}::test_every_spec_equals_the_dense_definition_with_its_gradients",),
+    ),
+    Mutant(
+        "gemma2_odd_layers_slide",
+        "Gemma 2: the sliding window on the odd layers instead of the even ones",
+        "models/gemma2/model.py",
+        "return self.sliding_window is not None and layer % 2 == 0",
+        "return self.sliding_window is not None and layer % 2 == 1",
+        (GEMMA2_LOGITS,),
+    ),
+    Mutant(
+        "gemma2_norm_without_one",
+        "Gemma 2: the RMSNorms scale by weight, not by 1 + weight",
+        "models/gemma2/model.py",
+        "(h * (1.0 + self.weight.to(h.dtype))).type_as(x)",
+        "(h * self.weight.to(h.dtype)).type_as(x)",
+        (GEMMA2_LOGITS,),
+    ),
+    Mutant(
+        "gemma2_embeddings_unscaled",
+        "Gemma 2: the token embeddings not multiplied by sqrt(dim)",
+        "models/gemma2/model.py",
+        "return h * _in_dtype(math.sqrt(self.embedding_dim), h.dtype)",
+        "return h",
+        (GEMMA2_LOGITS,),
+    ),
+    Mutant(
+        "gemma2_post_norm_not_in_tp_plan",
+        "Gemma 2: the post-MLP norm left out of the tensor-parallel plan",
+        "models/gemma2/plan.py",
+        '    block["post_ffn_norm"] = post_norm\n',
+        "",
+        (f"{GEMMA2_PARITY}[tp2]",),
     ),
 ]

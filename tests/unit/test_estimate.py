@@ -167,12 +167,18 @@ def _saved_bytes(block: torch.nn.Module, x: torch.Tensor, skip: set[int], *input
         ("qwen3", "debugmodel_untied", {"dim": 128, "n_heads": 4, "n_kv_heads": 1}),
         ("qwen3_moe", "debugmodel", {}),
         ("qwen3_moe", "debugmodel", {"n_experts": 16, "top_k": 4, "moe_ffn_dim": 96}),
+        ("gemma2", "debugmodel", {}),
+        ("gemma2", "debugmodel", {"dim": 128, "n_heads": 8, "n_kv_heads": 2}),
     ],
 )
 def test_family_block_count_equals_saved_activations_on_cpu(name, flavor, shape):
     """Each family's per-layer activation count against the bytes autograd really saves
     (bf16, training mode), within 5%; Qwen3's q/k/v width (n_heads x head_dim) is not its
-    dim; Qwen3-MoE's experts see top_k copies of every token (dropless: whatever the routing)."""
+    dim; Qwen3-MoE's experts see top_k copies of every token (dropless: whatever the routing);
+    Gemma 2's block (a sliding, soft-capped layer) gets its block mask as the decoder builds
+    it, and its attention core keeps no scores."""
+    from models.attention import attention_batch
+
     spec = get_model_spec(name)
     s, b = 128, 2
     args = build_model_args(name, flavor, s, None, shape)
@@ -184,7 +190,8 @@ def test_family_block_count_equals_saved_activations_on_cpu(name, flavor, shape)
     skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
     skip.add(model.rope.untyped_storage().data_ptr())
     x = torch.randn(b, s, args.dim, dtype=torch.bfloat16, requires_grad=True)
-    measured = _saved_bytes(model.layers["0"], x, skip, model.rope)
+    batch = attention_batch(model.attention_specs, b, s, x.device)  # None: plain causal
+    measured = _saved_bytes(model.layers["0"], x, skip, model.rope, batch)
     assert spec.block_activation_bytes(args, s, b, 1) == pytest.approx(measured, rel=0.05)
 
 

@@ -22,6 +22,7 @@ TINY = ["--config", "tests/tiny_model.toml", "--training.seq_len", "16"]
 FAMILIES = {
     "llama3": [],
     "qwen3": ["--model.name", "qwen3"],
+    "gemma2": ["--model.name", "gemma2"],  # soft-caps, a window (12) inside the 16 tokens
     "qwen3_moe": ["--model.name", "qwen3_moe", "--moe.aux_loss_coeff", "0.01",
                   "--moe.z_loss_coeff", "0.001", "--moe.bias_update_rate", "0.001"],
 }  # fmt: skip
