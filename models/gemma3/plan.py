@@ -15,13 +15,16 @@ def gemma3_tp_plan(loss_parallel: bool) -> TPPlan:
     parallel q/k/v and w1/w3, row-parallel wo and w2, the per-head QK-norms local to each
     rank's heads, the other norms on sequence shards), plus Gemma's post-attention and
     post-MLP norms: they follow the row-parallel wo and w2, whose outputs are already
-    reduce-scattered to sequence shards, so they run on sequence shards too. The sqrt(dim)
+    reduce-scattered to sequence shards, so they run on sequence shards too and return
+    plain tensors for the residual. The sqrt(dim)
     embedding scale is a Python number applied inside the sharded lookup (linear in the
     partial sums)."""
     plan = qwen3_tp_plan(loss_parallel)
     block = dict(plan.block)
-    block["post_attention_norm"] = SequenceParallel()
-    block["post_ffn_norm"] = SequenceParallel()
+    # local outputs: the residual they join is this rank's plain sequence shard
+    post_norm = SequenceParallel(use_local_output=True)
+    block["post_attention_norm"] = post_norm
+    block["post_ffn_norm"] = post_norm
     return TPPlan(root=plan.root, block=block)
 
 

@@ -46,10 +46,12 @@ Z_BIAS = ("--moe.aux_loss_coeff=0", "--moe.z_loss_coeff=0.001", "--moe.bias_upda
 REFERENCES = {
     "llama": (),
     "qwen3": ("--model.name=qwen3",),  # tied embeddings, QK-norm
+    # a sliding-window and a global layer, two RoPE tables, (1 + w) norms, scaled embeddings
+    "gemma3": ("--model.name=gemma3",),
     "moe": (*MOE, "--moe.aux_loss_coeff=0.01"),
     "moe_z_bias": (*MOE, *Z_BIAS),
 }
-LLAMA, QWEN3 = REFERENCES["llama"], REFERENCES["qwen3"]
+LLAMA, QWEN3, GEMMA3 = REFERENCES["llama"], REFERENCES["qwen3"], REFERENCES["gemma3"]
 MOE_AUX, MOE_Z_BIAS = REFERENCES["moe"], REFERENCES["moe_z_bias"]
 
 # A layout of each reference's model and options; global batch 8 sequences everywhere
@@ -63,6 +65,8 @@ LAYOUTS = table(
     Layout("qwen3_fsdp2", 2, (*QWEN3, "--training.local_batch_size=4"), "qwen3", FP64),
     Layout("qwen3_tp2", 2, (*QWEN3, "--parallelism.tensor_parallel_degree=2"), "qwen3", FP64),
     Layout("qwen3_cp2_compile", 2, (*QWEN3, "--parallelism.context_parallel_degree=2", "--compile.enable=true"), "qwen3", FP64),
+    Layout("gemma3_tp2", 2, (*GEMMA3, "--parallelism.tensor_parallel_degree=2"), "gemma3", FP64),
+    Layout("gemma3_cp2", 2, (*GEMMA3, "--parallelism.context_parallel_degree=2"), "gemma3", FP64),
     Layout("moe_ep2", 2, (*MOE_AUX, "--parallelism.expert_parallel_degree=2", "--training.local_batch_size=4"), "moe", FP64),
     Layout("moe_ep2_pp2", 4, (*MOE_Z_BIAS, "--parallelism.expert_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2", "--training.local_batch_size=4"), "moe_z_bias", FP64),
     # DDP's experts average over fewer ranks than they divide by (EP ranks hold the sum over
