@@ -152,7 +152,8 @@ def _forward(
 @_forward.register_fake
 def _(q, k, v, num, idx, full_num, full_idx, q_pos, k_pos, q_doc, k_doc, causal, window,
       softcap, scale, size):  # fmt: skip
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=_work_dtype(q.dtype))
+    # contiguous, as the kernel's outputs (empty_like would copy the strides of a transposed q)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_work_dtype(q.dtype))
 
 
 @torch.library.custom_op("meshtrain::block_attention_backward", mutates_args=())
@@ -191,7 +192,7 @@ def _backward(
 
 @_backward.register_fake
 def _(grad, q, k, v, out, lse, *rest):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous
 
 
 def _setup(ctx, inputs, output) -> None:

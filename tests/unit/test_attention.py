@@ -182,3 +182,27 @@ def test_a_compiled_block_keeps_the_kernel_one_node():
     got, want = compiled(q, k, v), attend(spec, q, k, v, ab)
     torch.testing.assert_close(got, want)
     torch.autograd.grad(got.sum(), (q, k, v))
+
+
+def test_the_kernels_fake_outputs_are_the_real_ones_for_transposed_inputs():
+    """The families hand the core q, k, v as transposed views ([batch, seq, heads, dim] ->
+    [batch, heads, seq, dim]); the kernels' outputs are contiguous whatever their inputs, and
+    their fake (meta) versions, which compiled graphs are built from, must say so: inductor
+    checks the strides at run time (a Gemma 3 preset with compile and a sliding window failed
+    there)."""
+    spec, batch, seq = AttentionSpec(window=8), 1, 64
+    # [batch, heads, seq, dim] views of [batch, seq, heads, dim] tensors
+    q, k, v = (x.detach().transpose(1, 2).contiguous().transpose(1, 2)
+               for x in _qkv(batch, 4, 2, seq, seq, dtype=torch.float32))  # fmt: skip
+    docs = torch.zeros(batch, seq, dtype=torch.int32)
+    ab = attention_batch([spec], batch, seq, q.device, documents=docs)
+    m = ab.masks[spec.key]
+    blocks = (m.kv_num_blocks, m.kv_indices, m.full_kv_num_blocks, m.full_kv_indices)
+    args = (q, k, v, *blocks, ab.positions, ab.key_positions, None, None, True, 8, 0.0, 0.25,
+            m.BLOCK_SIZE[0])  # fmt: skip
+    torch.library.opcheck(torch.ops.meshtrain.block_attention.default, args,
+                          test_utils=("test_faketensor",))  # fmt: skip
+    out, lse = torch.ops.meshtrain.block_attention(*args)
+    grads = (out.transpose(1, 2).contiguous().transpose(1, 2), q, k, v, out, lse)
+    torch.library.opcheck(torch.ops.meshtrain.block_attention_backward.default,
+                          (*grads, *args[3:]), test_utils=("test_faketensor",))  # fmt: skip
