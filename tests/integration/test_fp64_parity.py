@@ -48,10 +48,13 @@ REFERENCES = {
     "qwen3": ("--model.name=qwen3",),  # tied embeddings, QK-norm
     "gemma2": ("--model.name=gemma2",),  # soft-caps, a 12-token window on layer 0
     "gemma2_doc": ("--model.name=gemma2", "--training.document_mask=true"),
+    # a sliding-window and a global layer, two RoPE tables, (1 + w) norms, scaled embeddings
+    "gemma3": ("--model.name=gemma3",),
     "moe": (*MOE, "--moe.aux_loss_coeff=0.01"),
     "moe_z_bias": (*MOE, *Z_BIAS),
 }
-LLAMA, QWEN3, GEMMA2 = REFERENCES["llama"], REFERENCES["qwen3"], REFERENCES["gemma2"]
+LLAMA, QWEN3 = REFERENCES["llama"], REFERENCES["qwen3"]
+GEMMA2, GEMMA3 = REFERENCES["gemma2"], REFERENCES["gemma3"]
 MOE_AUX, MOE_Z_BIAS = REFERENCES["moe"], REFERENCES["moe_z_bias"]
 
 # A layout of each reference's model and options; global batch 8 sequences everywhere
@@ -67,6 +70,8 @@ LAYOUTS = table(
     Layout("qwen3_cp2_compile", 2, (*QWEN3, "--parallelism.context_parallel_degree=2", "--compile.enable=true"), "qwen3", FP64),
     Layout("gemma2_tp2", 2, (*GEMMA2, "--parallelism.tensor_parallel_degree=2"), "gemma2", FP64),
     Layout("gemma2_cp2_doc", 2, (*GEMMA2, "--parallelism.context_parallel_degree=2", "--training.document_mask=true"), "gemma2_doc", FP64),
+    Layout("gemma3_tp2", 2, (*GEMMA3, "--parallelism.tensor_parallel_degree=2"), "gemma3", FP64),
+    Layout("gemma3_cp2", 2, (*GEMMA3, "--parallelism.context_parallel_degree=2"), "gemma3", FP64),
     Layout("moe_ep2", 2, (*MOE_AUX, "--parallelism.expert_parallel_degree=2", "--training.local_batch_size=4"), "moe", FP64),
     Layout("moe_ep2_pp2", 4, (*MOE_Z_BIAS, "--parallelism.expert_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2", "--training.local_batch_size=4"), "moe_z_bias", FP64),
     # DDP's experts average over fewer ranks than they divide by (EP ranks hold the sum over

@@ -9,7 +9,6 @@ vocabulary) and TP x FSDP; pipeline parallelism and ZeRO 0-2 refuse tied weights
 from __future__ import annotations
 
 import pytest
-from dist_utils import launch_many
 from parity import (
     CHECKPOINT_ARGS,
     EXACT,
@@ -18,10 +17,7 @@ from parity import (
     Layout,
     assert_layout,
     assert_parity,
-    family_runs,
-    links,
-    resumed_runs,
-    selected_runs,
+    launch_family,
     table,
 )
 
@@ -63,11 +59,7 @@ REFERENCES = {
 def runs(request, tmp_path_factory):
     base = tmp_path_factory.mktemp("qwen3_parity")
     needs = {"test_tied_reference_has_one_matrix": ["tied"], "test_resume_and_reshard": RESUMED}
-    want = selected_runs(request, LAYOUTS, needs, *links(LAYOUTS, RESUMED))
-    todo = family_runs(base, want, COMMON, REFERENCES, LAYOUTS)
-    todo += resumed_runs(base, want, COMMON, RESUMED)
-    todo.sort(key=lambda r: -r.nproc)
-    return launch_many(todo, parallel=2)
+    return launch_family(request, base, COMMON, REFERENCES, LAYOUTS, RESUMED, needs)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

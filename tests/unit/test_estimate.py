@@ -169,6 +169,8 @@ def _saved_bytes(block: torch.nn.Module, x: torch.Tensor, skip: set[int], *input
         ("qwen3_moe", "debugmodel", {"n_experts": 16, "top_k": 4, "moe_ffn_dim": 96}),
         ("gemma2", "debugmodel", {}),
         ("gemma2", "debugmodel", {"dim": 128, "n_heads": 8, "n_kv_heads": 2}),
+        ("gemma3", "debugmodel", {"dim": 256, "n_heads": 8, "n_kv_heads": 4}),
+        ("gemma3", "debugmodel", {"dim": 128, "n_heads": 4, "n_kv_heads": 1}),
     ],
 )
 def test_family_block_count_equals_saved_activations_on_cpu(name, flavor, shape):

@@ -118,13 +118,35 @@ def test_hf_round_trip_and_logits(tmp_path, scaled_rope, tied, sharded, factor):
         torch.testing.assert_close(reloaded(tokens).logits, ref, rtol=1e-5, atol=1e-5)
 
 
+def _scripts_round_trip(tmp_path, hf_model, vocab: int):
+    """Saves `hf_model`, converts it in with convert_from_hf.py (the family picked by its
+    model_type), checks our logits equal its own, converts the checkpoint back with
+    convert_to_hf.py (the family the checkpoint records) and checks the reloaded model's
+    logits; returns (spec, args) from the converted checkpoint and the HF folder written back."""
+    from checkpoint.hf import model_from_layout, read_dcp_model
+
+    hf_model.save_pretrained(tmp_path / "hf")
+    assert load_script("convert_from_hf").main([str(tmp_path / "hf"), str(tmp_path / "dcp")]) == 0
+    ckpt = tmp_path / "dcp" / "step-0"
+    spec, args = model_from_layout(ckpt)
+    ours = spec.model_cls(args).eval()
+    ours.load_state_dict(read_dcp_model(ckpt))
+    tokens = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf_model(tokens).logits
+        torch.testing.assert_close(ours(tokens), ref, rtol=1e-4, atol=1e-4)
+    assert load_script("convert_to_hf").main([str(ckpt), str(tmp_path / "back")]) == 0
+    back = type(hf_model).from_pretrained(tmp_path / "back").float().eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(tokens).logits, ref, rtol=1e-5, atol=1e-5)
+    return spec, args, tmp_path / "back"
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_qwen3_converts_both_ways_by_its_family_adapter(tmp_path, tied):
     """The scripts pick the family from job_config.json's model_type (in) and from the family the
     checkpoint records (out): a Qwen3 checkpoint round-trips and its logits equal the HF
     model's."""
-    from checkpoint.hf import model_from_layout, read_dcp_model
-
     config = transformers.Qwen3Config(
         vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
@@ -132,21 +154,36 @@ def test_qwen3_converts_both_ways_by_its_family_adapter(tmp_path, tied):
     )  # fmt: skip
     torch.manual_seed(0)
     hf_model = transformers.Qwen3ForCausalLM(config).float().eval()
-    hf_model.save_pretrained(tmp_path / "hf")
-    assert load_script("convert_from_hf").main([str(tmp_path / "hf"), str(tmp_path / "dcp")]) == 0
-    ckpt = tmp_path / "dcp" / "step-0"
-    spec, args = model_from_layout(ckpt)
+    spec, args, _ = _scripts_round_trip(tmp_path, hf_model, 96)
     assert spec.name == "qwen3" and args.tie_embeddings == tied and args.head_dim == 32
-    ours = spec.model_cls(args).eval()
-    ours.load_state_dict(read_dcp_model(ckpt))
-    tokens = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref = hf_model(tokens).logits
-        torch.testing.assert_close(ours(tokens), ref, rtol=1e-4, atol=1e-4)
-    assert load_script("convert_to_hf").main([str(ckpt), str(tmp_path / "back")]) == 0
-    back = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path / "back").float().eval()
-    with torch.no_grad():
-        torch.testing.assert_close(back(tokens).logits, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_gemma3_converts_both_ways_by_its_family_adapter(tmp_path):
+    """A Gemma 3 text checkpoint (model_type gemma3_text, tied, a global layer after two
+    sliding-window ones, linear RoPE scaling) converts in and out by the scripts, its logits
+    equal the HF model's, and the weights come back bit for bit (lm_head: the tied
+    embedding)."""
+    config = transformers.Gemma3TextConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
+        sliding_window=8, sliding_window_pattern=3, query_pre_attn_scalar=32,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf_model = transformers.Gemma3ForCausalLM(config).float().eval()
+    with torch.no_grad():  # HF starts the (1 + weight) norms at 0: make them matter
+        for name, p in hf_model.named_parameters():
+            if "norm" in name:
+                p.uniform_(-0.5, 0.5)
+    spec, args, back = _scripts_round_trip(tmp_path, hf_model, 96)
+    assert spec.name == "gemma3" and args.sliding_window_pattern == 3
+    assert args.rope_scaling_factor == 8.0 and args.tie_embeddings
+    original, written = read_hf_weights(tmp_path / "hf"), read_hf_weights(back)
+    original["lm_head.weight"] = original["model.embed_tokens.weight"]
+    assert original.keys() == written.keys()
+    assert all(torch.equal(original[k], written[k]) for k in original)
+    layer_types = json.loads((back / "config.json").read_text())["layer_types"]
+    assert layer_types == hf_model.config.layer_types
 
 
 def test_a_family_without_an_adapter_is_refused(tmp_path, capsys):

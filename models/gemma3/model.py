@@ -1,0 +1,191 @@
+"""Gemma 3 (text) in plain PyTorch: no parallelism, no trainer imports.
+
+What differs from Qwen3 (the Hugging Face `Gemma3ForCausalLM` is the reference):
+- local and global layers: every `sliding_window_pattern`-th layer (the 6th, 12th, ...) attends
+  to the whole causal past, the others to the last `sliding_window` positions only; both
+  through the shared attention core, as `AttentionSpec(scale=..., window=...)`, so context
+  parallelism and document masking need no code here;
+- two RoPE tables (rotate-half, as Qwen3's): the local layers' base 10,000, the global layers'
+  base 1e6 with linear position scaling (the 4B, 12B and 27B models divide the frequencies by
+  8); the shell's one `rope` buffer holds both, stacked, and each block picks its row;
+- softmax scale query_pre_attn_scalar ** -0.5 (not head_dim ** -0.5);
+- RMSNorm with a zero-centred weight, computed in float32: x / rms(x) * (1 + w), cast back
+  (Hugging Face's `Gemma3RMSNorm`); four per block (before and after attention and the MLP),
+  one over each query and key head (QK-norm) and the final one;
+- a GeGLU MLP (tanh-approximated GELU gate);
+- token embeddings multiplied by sqrt(dim), that factor rounded as Hugging Face rounds it
+  (a float32 value cast to the embeddings' dtype: 55.5 for sqrt(3072) in bfloat16);
+- the output projection tied to the embeddings; no logit soft-capping (the published configs
+  set `attn_logit_softcapping` and `final_logit_softcapping` to null).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.attention import AttentionSpec
+from models.blocks import Decoder, FeedForward, GroupedQueryAttention
+from models.numerics import at_least_float32
+from models.qwen3.model import Qwen3Shape, apply_rope
+
+LOCAL, GLOBAL = 0, 1  # the rows of the stacked RoPE table
+
+
+@dataclass
+class Gemma3Args(Qwen3Shape):
+    """Qwen3's attention shape fields and checks (`dim` ... `max_seq_len`; `rope_theta` is the
+    global layers' base) with the published 12B's defaults, and Gemma's own fields."""
+
+    dim: int = 3840
+    n_layers: int = 48
+    n_heads: int = 16
+    n_kv_heads: int = 8
+    head_dim: int = 256
+    vocab_size: int = 262208
+    ffn_dim: int = 15360  # the GeGLU hidden size
+    rope_local_theta: float = 10_000.0  # local (sliding-window) layers
+    rope_scaling_factor: float = 8.0  # linear scaling of the global layers' positions
+    sliding_window: int = 1024
+    sliding_window_pattern: int = 6  # layer i is global when (i + 1) % pattern == 0
+    query_pre_attn_scalar: int = 256  # softmax scale = query_pre_attn_scalar ** -0.5
+
+    def shape_problems(self) -> list[str]:
+        problems = super().shape_problems()
+        if self.sliding_window < 1 or self.sliding_window_pattern < 1:
+            problems.append("sliding_window and sliding_window_pattern must be at least 1")
+        return problems
+
+    def is_global(self, layer: int) -> bool:
+        return (layer + 1) % self.sliding_window_pattern == 0
+
+
+def rope_table(
+    args: Gemma3Args, device: torch.device | None = None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """[2, max_seq_len, head_dim // 2, 2]: (cos, sin) per position and frequency, row LOCAL for
+    the sliding-window layers, row GLOBAL (frequencies divided by the linear scaling factor)
+    for the global ones; computed in float64, kept in `dtype`."""
+    d = args.head_dim
+    exponents = torch.arange(0, d, 2, dtype=torch.float64) / d
+    t = torch.arange(args.max_seq_len, dtype=torch.float64)
+    rows = []
+    for theta, factor in (
+        (args.rope_local_theta, 1.0),
+        (args.rope_theta, args.rope_scaling_factor),
+    ):
+        angles = torch.outer(t, 1.0 / (theta**exponents) / factor)
+        rows.append(torch.stack([angles.cos(), angles.sin()], dim=-1))
+    return torch.stack(rows).to(device=device, dtype=dtype)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * (1 + weight), in at least float32 and cast back to x's dtype; the weight
+    starts at zero (a unit scale), as in the Hugging Face checkpoints."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = at_least_float32(x)
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.to(y.dtype))).type_as(x)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+@functools.lru_cache
+def embedding_normalizer(dim: int, dtype: torch.dtype) -> float:
+    """sqrt(dim) as Hugging Face applies it: a float32 value cast to the embeddings' dtype."""
+    return torch.tensor(dim**0.5, dtype=torch.float32).to(dtype).item()
+
+
+class ScaledEmbedding(nn.Embedding):
+    """Token embeddings times sqrt(dim) (`embedding_normalizer`); a Python number, so the
+    product is the same under tensor parallelism's sharded lookup."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        out = super().forward(tokens)
+        return out * embedding_normalizer(self.embedding_dim, out.dtype)
+
+
+class GeGLU(FeedForward):
+    """The shared feed-forward's weights with a tanh-approximated GELU gate:
+    w2(gelu_tanh(w1 x) * w3 x) (Hugging Face: down(gelu(gate x) * up x))."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.gelu(self.w1(x), approximate="tanh") * self.w3(x))
+
+
+class Attention(GroupedQueryAttention):
+    """The shared grouped-query attention with Gemma's QK-norm and the layer's spec: the
+    sliding window on local layers, none on global ones, scale query_pre_attn_scalar ** -0.5."""
+
+    def __init__(self, args: Gemma3Args, global_layer: bool):
+        spec = AttentionSpec(
+            scale=args.query_pre_attn_scalar**-0.5,
+            window=None if global_layer else args.sliding_window,
+        )
+        super().__init__(
+            args.dim, args.n_heads, args.n_kv_heads, args.head_dim, apply_rope,
+            qk_norm_eps=args.norm_eps, spec=spec,
+        )  # fmt: skip
+        self.q_norm = RMSNorm(args.head_dim, eps=args.norm_eps)
+        self.k_norm = RMSNorm(args.head_dim, eps=args.norm_eps)
+
+
+class Block(nn.Module):
+    """h = x + post_attention_norm(attention(attention_norm(x)));
+    out = h + post_ffn_norm(feed_forward(ffn_norm(h))), with the RoPE row of the layer's kind."""
+
+    def __init__(self, args: Gemma3Args, layer: int):
+        super().__init__()
+        global_layer = args.is_global(layer)
+        self.rope_row = GLOBAL if global_layer else LOCAL
+        self.attention = Attention(args, global_layer)
+        self.feed_forward = GeGLU(args.dim, args.ffn_dim)
+        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.post_attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.post_ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, batch=None) -> torch.Tensor:
+        attended = self.attention(self.attention_norm(x), rope[self.rope_row], batch)
+        h = x + self.post_attention_norm(attended)
+        return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
+
+
+class Gemma3(Decoder):
+    """The shared decoder shell with Gemma's scaled embeddings and final norm, and both RoPE
+    tables in its `rope` buffer ([2, positions, ...]: `rope_rows` indexes the positions of
+    both)."""
+
+    rope_table = staticmethod(rope_table)
+
+    def __init__(self, args: Gemma3Args):
+        super().__init__(args, [Block(args, i) for i in range(args.n_layers)])
+        self.tok_embeddings = ScaledEmbedding(args.vocab_size, args.dim)
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.tie_weights()
+
+    def rope_rows(self, positions: torch.Tensor | None) -> torch.Tensor:
+        """Both tables' rows: [2, positions, ...], or [2, batch, seq, ...] for given positions."""
+        return self.rope if positions is None else self.rope[:, positions]
+
+    def init_param(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+        """Norm weights zero (a unit scale: the norms multiply by 1 + weight); every matrix
+        (the embeddings, which the output shares, included) a normal of std 0.02 cut at 3 std,
+        as the Hugging Face initialisation."""
+        if name.endswith("norm.weight"):
+            tensor.zero_()
+        elif name.endswith(".weight"):
+            nn.init.trunc_normal_(tensor, std=0.02, a=-0.06, b=0.06, generator=generator)
+        else:
+            raise ValueError(f"init_param: no initialisation rule for parameter '{name}'")
