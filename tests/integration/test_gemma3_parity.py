@@ -44,6 +44,8 @@ LAYOUTS = table(
     Layout("cp2", 2, (*GEMMA3, "--parallelism.context_parallel_degree=2"), "gemma3", TOL),
     Layout("cp2_doc", 2, (*GEMMA3, "--parallelism.context_parallel_degree=2", DOC), "gemma3_doc", TOL),
     Layout("cp2_fsdp2_ac", 4, (*GEMMA3, "--parallelism.context_parallel_degree=2", "--training.local_batch_size=4", "--activation_checkpoint.mode=full"), "gemma3", TOL),
+    Layout("cp2_fsdp2_doc", 4, (*GEMMA3, "--parallelism.context_parallel_degree=2", "--training.local_batch_size=4", DOC), "gemma3_doc", TOL),
+    Layout("cp2_tp2", 4, (*GEMMA3, "--parallelism.context_parallel_degree=2", "--parallelism.tensor_parallel_degree=2"), "gemma3", TOL),
 )
 RESUMED = table(
     Layout("fsdp2_resumed", 2, LAYOUTS["fsdp2"].args, "fsdp2", EXACT, after="fsdp2"),
