@@ -101,7 +101,7 @@ def render(payload: dict, folder: Path, notes: str = "") -> str:
         f"- command: `{p['command']}`"
         + "".join(f" with {k}={v}" for k, v in sorted(p.get("env", {}).items())),
         f"- model: config {p['config']} {' '.join(p['overrides'])}: {p['params']:,} parameters, "
-        f"{p['flops_per_token'] / 1e9:.3f} GFLOP/token (6N + 12·L·H·Dh·S, causal at full cost)",
+        f"{p['flops_per_token'] / 1e9:.3f} GFLOP/token (6N + 12·H·Dh·Σ span, each layer at its attention span)",
         f"- peak: {peak / 1e12:.3f} TFLOP/s ({p['peak_source']}; best of "
         f"{p['peak_flops_before'] / 1e12:.3f} before the runs and {p['peak_flops_after'] / 1e12:.3f} "
         "after repeats); MFU = all ranks' model FLOP/s / this peak"
