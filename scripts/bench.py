@@ -158,6 +158,7 @@ def run_bench(argv: list[str]) -> int:
         "peak_flops_after": peak_after,
         "peak_source": ref.peak_src,
         "flops_per_token": ref.fpt,
+        "flops_formula": "6N + 12·H·Dh·Σ span, each layer at its attention span",
         "params": ref.n_params,
         "config": ns.config,
         "overrides": extra,
