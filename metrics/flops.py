@@ -35,22 +35,42 @@ def count_params(model: torch.nn.Module, embeddings: Sequence[str] = ()) -> int:
     return total
 
 
+def attention_span(spec, seq_len: int) -> float:
+    """Keys a query sees on average over the positions 0..S-1 of an S-token sequence, for an
+    attention layer's spec (`causal`, `window`: models.attention.AttentionSpec): all S
+    without a causal mask, (S + 1) / 2 causally, the mean of min(window, position + 1) with a
+    causal sliding window (a window without causality adds the later keys). Document masking
+    depends on the data and is not taken off."""
+    s = seq_len
+    if spec.window is None:
+        return (s + 1) / 2 if spec.causal else float(s)
+    w = min(spec.window, s)
+    earlier = (w * (w + 1) / 2 + (s - w) * w) / s  # mean of min(w, i + 1), itself included
+    return earlier if spec.causal else earlier + (s - 1) / 2
+
+
 def flops_per_token(
     num_params_no_embedding: int,
     n_layers: int,
     n_heads: int,
     head_dim: int,
     seq_len: int,
+    attention: Sequence | None = None,
 ) -> float:
-    """Training FLOPs per token: ``6 * N + 12 * L * H * Dh * S``.
+    """Training FLOPs per token: ``6 * N + 12 * H * Dh * sum_l span_l``.
 
     ``6 * N`` covers the forward (2 FLOPs per multiply-add) and backward (2x forward)
     matmuls over the N non-embedding parameters (the embedding lookup is a gather, not
-    a matmul). ``12 * L * H * Dh * S`` is the attention score and value matmuls
-    (``Q @ K^T`` and ``P @ V``: 2 matmuls x 2 FLOPs x 3 for forward + backward) for
-    sequence length S. Following the PaLM paper and torchtitan, causal attention is
-    counted at FULL cost, i.e. the masked upper triangle is not subtracted, so this is
-    an upper bound on the useful attention work (a causal kernel does about half).
+    a matmul). ``12 * H * Dh * span_l`` is layer l's attention score and value matmuls
+    (``Q @ K^T`` and ``P @ V``: 2 matmuls x 2 FLOPs x 3 for forward + backward) over the keys
+    a query sees on average (`attention_span`): about S / 2 for causal attention, the window
+    for a sliding window much shorter than S. `attention`: each layer's `AttentionSpec` in
+    layer order (`planning.memory.layer_attention_specs` of the model); None: `n_layers` plain
+    causal layers.
     Activation recomputation is not counted, so MFU here is "model" FLOPs utilisation.
     """
-    return float(6 * num_params_no_embedding + 12 * n_layers * n_heads * head_dim * seq_len)
+    if attention is None:
+        span = n_layers * (seq_len + 1) / 2
+    else:
+        span = sum(attention_span(spec, seq_len) for spec in attention)
+    return float(6 * num_params_no_embedding + 12 * n_heads * head_dim * span)

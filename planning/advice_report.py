@@ -209,14 +209,15 @@ def _cp_reasons(advice: Advice, cluster: Cluster, work: Workload) -> list[str]:
         lay.tp,
         lay.cp,
         document_mask=work.document_mask,
+        specs=work.attention,
     )
-    mask = f" and the mask's copy ({ctx.mask / GIB:.2f} GiB)" if ctx.mask else ""
+    mask = f" and its block masks ({ctx.masks / GIB:.3f} GiB)" if ctx.masks else ""
     lines = [
         f"- CP {lay.cp}: each rank holds {s // lay.cp:,} of every sequence's {s:,} tokens (2 x "
         f"{lay.cp} chunks, 2 per rank, for an even share of causal attention), so the "
         f"activations per rank fall by {lay.cp}x, except what attention keeps over all {s:,} keys "
-        f"per layer: the gathered K and V at all heads ({ctx.kv / GIB:.2f} GiB more than the "
-        f"local share){mask}; weights, gradients and AdamW are sharded over FSDP x CP = "
+        f"per layer: the gathered K and V at their own (K/V heads') size ({ctx.kv / GIB:.2f} GiB "
+        f"more than the local share){mask}; weights, gradients and AdamW are sharded over FSDP x CP = "
         f"{lay.fsdp} ranks."
     ]
     at_one = [c for c in same if c.layout.cp == 1]

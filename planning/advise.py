@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from models.attention import AttentionSpec
 from planning.communication import (
     Cluster,
     Comm,
@@ -39,7 +40,8 @@ _HEADROOM = 0.9  # a layout fits when its estimate stays under 90% of the device
 class Workload:
     """What to place: the model, its size and FLOPs per token, and the batch per step
     (`global_batch` sequences of `seq_len`, micro-batches of up to `micro_batch`;
-    `document_mask`: attention takes an explicit document-causal mask)."""
+    `document_mask`: attention masks documents; `attention`: the model's distinct attention
+    specs, whose block masks it builds per micro-batch)."""
 
     model_args: Any  # the family's args dataclass
     n_params: int
@@ -50,6 +52,7 @@ class Workload:
     micro_batch: int = 1
     experts: Experts | None = None  # a mixture of experts (`planning.simulate.count_experts`)
     document_mask: bool = False
+    attention: tuple[AttentionSpec, ...] = (AttentionSpec(),)
 
 
 @dataclass
@@ -91,6 +94,7 @@ def analytic_memory(
     block_bytes: Callable,
     experts: Experts | None = None,
     document_mask: bool = False,
+    specs: tuple[AttentionSpec, ...] = (AttentionSpec(),),
 ) -> int:
     """Fast per-rank estimate for the search (FSDP, bf16/fp32 as in meshtrain: 16 B/param
     sharded over tp*pp*dp*cp, plus working set and activations); `simulate` checks the choice.
@@ -103,7 +107,9 @@ def analytic_memory(
     block += e / model_args.n_layers / layout.ep
     working = block * 2 * 2 + block * 6 + (2 * vocab * model_args.dim / layout.tp) * 2
     b = 1 if layout.pp > 1 else micro
-    act = analytic_activations(model_args, layout, seq_len, b, vocab, block_bytes, document_mask)
+    act = analytic_activations(
+        model_args, layout, seq_len, b, vocab, block_bytes, document_mask, specs
+    )
     return int(states + working + act)
 
 
@@ -115,14 +121,17 @@ def analytic_activations(
     vocab: int,
     block_bytes: Callable,
     document_mask: bool = False,
+    specs: tuple[AttentionSpec, ...] = (AttentionSpec(),),
 ) -> float:
     """Activations of a rank on the first stage (pp micro-batches in flight under 1F1B): its
-    seq_len / cp tokens through the family's block count, CP's gathered K/V and the masks, full
-    AC's kept layer inputs and one recomputed layer, and the logits."""
+    seq_len / cp tokens through the family's block count, CP's gathered K/V and the block
+    masks of `specs`, full AC's kept layer inputs and one recomputed layer, and the logits."""
     tp, local = layout.tp, seq_len // layout.cp
     layers = math.ceil(model_args.n_layers / layout.pp)
     in_flight = layout.pp if layout.pp > 1 else 1
-    attn = attention_bytes(model_args, seq_len, b, tp, layout.cp, document_mask=document_mask)
+    attn = attention_bytes(
+        model_args, seq_len, b, tp, layout.cp, document_mask=document_mask, specs=specs
+    )
     whole = block_bytes(model_args, local, b, tp) + attn.per_layer
     kept, recomputed = whole, 0.0
     if layout.ac == "full":
@@ -130,7 +139,7 @@ def analytic_activations(
         kept = korthikanti_layer_bytes(local, b, model_args.dim, a, tp, recompute="full")
         recomputed = whole  # the one layer being recomputed
     logits = 6 * local * b * vocab / tp
-    return in_flight * (layers * kept + attn.mask_input) + recomputed + logits + attn.transient
+    return in_flight * (layers * kept + attn.masks) + recomputed + logits + attn.transient
 
 
 # ------------------------------------------------------------------------------- search
@@ -165,6 +174,7 @@ def _evaluate(
         work.block_bytes,
         experts,
         work.document_mask,
+        work.attention,
     )
     comms = comm_per_step(
         args,

@@ -4,16 +4,22 @@ Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation i
 Transformer Models", eqs. 1-2): sbh(34 + 5as/h) bytes per layer, with tensor/sequence-parallel
 and recompute variants; the totals use the model family's own count of what one block saves
 (`ModelSpec.block_activation_bytes`). Under context parallelism (cp ranks per sequence) a rank
-counts its s/cp tokens and adds what attention over the gathered keys keeps, and the
-explicit mask CP and document masking pass to attention (`attention_bytes`). Pure arithmetic: nothing here needs a model or a process group
-(`planning.simulate` reads the rest from the parallelized model).
+counts its s/cp tokens and adds what attention over the gathered keys keeps; the block masks
+of the layers' attention specs come once per micro-batch (`attention_bytes`). Arithmetic: no
+model or process group is needed (`planning.simulate` reads the rest from the parallelized
+model, and the layers' `AttentionSpec`s from the model on the meta device).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
+from torch import nn
+
+from models.attention import BLOCK, AttentionBatch, AttentionSpec
 from parallelisms.parallel_dims import ParallelDims
 
 GIB = float(1 << 30)
@@ -61,48 +67,84 @@ def in_flight_microbatches(schedule: str, pp: int, pp_rank: int, n_micro: int) -
 
 @dataclass(frozen=True)
 class AttentionBytes:
-    """What attention adds on one rank beyond the family's causal count at its tokens (bytes):
-    CP's gathered keys and, under document masking, the explicit mask (zeros without).
+    """What attention adds on one rank beyond the family's count at its tokens (bytes). The
+    backends keep no [queries, keys] tensor: SDPA's fused kernels, FlexAttention and the CPU
+    block-sparse kernel save q, k, v, the output and a float32 log-sum-exp per query and head
+    (in the family's count), K/V at their own head count.
 
-    kv:         per layer, saved: SDPA keeps the gathered K and V repeated to the query heads,
-                [b, n_heads/t, s, head_dim] each, of which the family's count at s/cp tokens
-                already holds the local 1/cp.
-    mask:       per layer, saved: SDPA's compute-dtype copy of the [b, 1, s/cp, s] mask
-                (measured on CPU: a boolean mask is saved converted, 2 B per element).
-    mask_input: per micro-batch: the boolean mask itself (1 B per element), one for all layers.
-    transient:  one layer's backward at a time: the gradients of the repeated gathered K and V
-                and of the gathered K and V (kv heads) before their reduce-scatter.
+    kv:        per layer, saved: CP's gathered K and V at the K/V heads' size, [b, n_kv_heads/t,
+               s, head_dim] each, of which the family's count at s/cp tokens already holds the
+               local 1/cp.
+    masks:     per micro-batch: the block masks (`models.attention.attention_batch`), one per
+               distinct spec that needs one, shared by its layers: FlexAttention's BlockMask
+               holds 8 int32 tensors, [b, 1, s/cp/128 (, s/128)] and their transposes.
+    transient: one layer's backward at a time: the gradients of the gathered K and V (K/V
+               heads) before their reduce-scatter.
     """
 
     kv: float = 0.0
-    mask: float = 0.0
-    mask_input: float = 0.0
+    masks: float = 0.0
     transient: float = 0.0
 
     @property
     def per_layer(self) -> float:
-        return self.kv + self.mask
+        return self.kv
+
+
+def layer_attention_specs(model: nn.Module) -> list[AttentionSpec]:
+    """Each attention layer's `AttentionSpec` in layer order: the `spec` of every module that
+    has one (the shared `AttentionCore`, or the context-parallel core that replaced it). The
+    whole model on the meta device gives every layer's (FLOPs per token, block masks)."""
+    return [m.spec for m in model.modules() if isinstance(getattr(m, "spec", None), AttentionSpec)]
+
+
+def block_mask_bytes(q_len: int, k_len: int, b: int) -> float:
+    """Bytes of one `BlockMask` over `q_len` queries and `k_len` keys (`b` sequences): its
+    number-of-blocks vectors and block-index matrices, partial and full, for the key blocks of
+    each query block and (built by `BlockMask.from_kv_blocks`) the query blocks of each key
+    block, int32."""
+    size = math.gcd(BLOCK, q_len, k_len)
+    qb, kb = q_len // size, k_len // size
+    return 4.0 * b * (2 * (qb + kb) + 4 * qb * kb)
+
+
+def masked_specs(
+    specs: Sequence[AttentionSpec], document_mask: bool, cp: int
+) -> list[AttentionSpec]:
+    """The specs, one per mask key, that get a block mask per micro-batch (the rule of
+    `models.attention.attention_batch`: none when every layer is plain causal over its own
+    sequence; else each spec that is not, or whose layers mask documents or see CP's keys)."""
+    meta = torch.empty(0, device="meta")
+    batch = AttentionBatch(meta, meta, meta if document_mask else None, keys_given=cp > 1)
+    if not document_mask and cp <= 1 and all(s.fused_causal for s in specs):
+        return []
+    keyed = {s.key: s for s in specs if batch.needs_mask(s)}
+    return list(keyed.values())
 
 
 def attention_bytes(
-    model_args, s: int, b: int, tp: int, cp: int, elem: int = 2, document_mask: bool = False
+    model_args,
+    s: int,
+    b: int,
+    tp: int,
+    cp: int,
+    elem: int = 2,
+    document_mask: bool = False,
+    specs: Sequence[AttentionSpec] = (AttentionSpec(),),
 ) -> AttentionBytes:
-    """`AttentionBytes` of `s`-token sequences (`b` per micro-batch) split over `cp`
-    ranks, TP degree `tp`, `elem`-byte activations; reads n_heads, n_kv_heads and head_dim.
-    The mask exists with document masking only: plain CP attends chunk by chunk with torch's
-    lower-right causal bias, which CUDA's fused kernels apply without a mask (on CPU, SDPA
-    builds one per chunk; not counted). Without CP only a document mask adds anything."""
+    """`AttentionBytes` of `s`-token sequences (`b` per micro-batch) split over `cp` ranks,
+    TP degree `tp`, `elem`-byte activations, for a model whose layers compute `specs` (their
+    distinct `AttentionSpec`s; default plain causal); reads n_kv_heads and head_dim. Plain
+    causal attention without CP or document masking adds nothing."""
     local = s // cp
-    mask = float(b) * local * s if document_mask else 0.0
+    masks = len(masked_specs(specs, document_mask, cp)) * block_mask_bytes(local, s, b)
     if cp <= 1:
-        return AttentionBytes(mask=mask * elem, mask_input=mask)
-    q_dim = model_args.n_heads * model_args.head_dim / tp
+        return AttentionBytes(masks=masks)
     kv_dim = model_args.n_kv_heads * model_args.head_dim / tp
     return AttentionBytes(
-        kv=2.0 * b * (s - local) * q_dim * elem,
-        mask=mask * elem,
-        mask_input=mask,
-        transient=2.0 * b * s * (q_dim + kv_dim) * elem,
+        kv=2.0 * b * (s - local) * kv_dim * elem,
+        masks=masks,
+        transient=2.0 * b * s * kv_dim * elem,
     )
 
 
@@ -112,8 +154,8 @@ class Activations:
     and `checkpointed` ones at `per_checkpointed`, for each of `microbatches` in flight, plus
     the one layer full AC recomputes in backward and the logits of the last stage. Under CP
     (`cp` > 1) `s` is the whole sequence and the rank holds s/cp of it; `attention` is what CP's
-    gathered keys and an explicit mask add (in `per_layer` and `recompute` already; the mask
-    once per micro-batch in flight and one layer's transient on top)."""
+    gathered keys and the block masks add (the K/V in `per_layer` and `recompute` already; the
+    masks once per micro-batch in flight and one layer's transient on top)."""
 
     s: int
     b: int
@@ -137,7 +179,7 @@ class Activations:
         layers = self.microbatches * (
             self.kept * self.per_layer + self.checkpointed * self.per_checkpointed
         )
-        cp_extra = self.microbatches * self.attention.mask_input + self.attention.transient
+        cp_extra = self.microbatches * self.attention.masks + self.attention.transient
         return int(layers + self.recompute + self.logits + cp_extra)
 
     def describe(self) -> str:
@@ -149,7 +191,7 @@ class Activations:
             + f" b={self.b} h={self.h} a={self.a} t={self.tp} (Korthikanti "
             f"{self.korthikanti / GIB:.3f} GiB/layer, the family's block count "
             f"{self.block / GIB:.3f}"
-            + (self._describe_attention() if self.attention.mask else "")
+            + (self._describe_attention() if self.attention.kv or self.attention.masks else "")
             + "): "
             + (f"{kept} layers x {self.per_layer / GIB:.3f} GiB" if kept else "")
             + (" + " if kept and full else "")
@@ -162,11 +204,9 @@ class Activations:
     def _describe_attention(self) -> str:
         c = self.attention
         return (
-            "; per layer"
-            + (f" + gathered K/V {c.kv / GIB:.3f}" if c.kv else "")
-            + f" + mask copy {c.mask / GIB:.3f}; + boolean mask {c.mask_input / GIB:.3f} per "
-            "micro-batch"
-            + (f", + one layer's gathered K/V gradients {c.transient / GIB:.3f}" if c.kv else "")
+            (f"; per layer + gathered K/V {c.kv / GIB:.3f}" if c.kv else "")
+            + (f"; + block masks {c.masks / GIB:.4f} per micro-batch" if c.masks else "")
+            + (f"; + one layer's gathered K/V gradients {c.transient / GIB:.3f}" if c.kv else "")
         )
 
 
@@ -182,8 +222,9 @@ def _microbatches(cfg, dims: ParallelDims, pp_rank: int) -> tuple[int, int]:
 
 def _checkpointing(ac, layers: int) -> tuple[int, str]:
     """(layers fully checkpointed, Korthikanti recompute mode of the others) under `ac`:
-    selective AC with a number N checkpoints every N-th layer whole, with `op` it recomputes
-    the attention scores of every layer."""
+    selective AC with a number N checkpoints every N-th layer whole; with `op` it saves the
+    outputs of the matmuls and attention of every layer and recomputes the rest (no attention
+    scores, were a backend to keep them)."""
     numbered = ac.mode == "selective" and ac.selective_ac_option.isdigit()
     if numbered:
         full_layers = layers // int(ac.selective_ac_option)
@@ -202,21 +243,24 @@ def rank_activations(
     has_output: bool,
     block_bytes: Callable,
     scores_stored: bool = False,
+    specs: Sequence[AttentionSpec] = (AttentionSpec(),),
 ) -> Activations:
-    """Activation estimate for one rank holding `layers` blocks (16-bit activations; fused
-    attention unless `scores_stored`): `block_bytes(args, seq_len, batch, tp)` is the family's
-    count of what one block saves (`ModelSpec.block_activation_bytes`), taken at the rank's
-    seq_len / cp tokens; CP's gathered keys and the mask come on top (`attention_bytes`)."""
+    """Activation estimate for one rank holding `layers` blocks (16-bit activations; attention
+    keeps no scores unless `scores_stored`): `block_bytes(args, seq_len, batch, tp)` is the
+    family's count of what one block saves (`ModelSpec.block_activation_bytes`), taken at the
+    rank's seq_len / cp tokens, in every AC mode (op-level selective AC saves a part of it: the
+    family's count is its upper bound); CP's gathered K/V and the block masks of the model's
+    distinct attention `specs` come on top (`attention_bytes`)."""
     s, h, a, tp, cp = cfg.training.seq_len, model_args.dim, model_args.n_heads, dims.tp, dims.cp
     local = s // cp  # tokens of each sequence on this rank
     b, micro = _microbatches(cfg, dims, pp_rank)
     full_layers, rec = _checkpointing(cfg.activation_checkpoint, layers)
     korth = korthikanti_layer_bytes(local, b, h, a, tp, recompute=rec, scores_stored=scores_stored)
     block = block_bytes(model_args, local, b, tp)
-    mask = cfg.training.document_mask
-    attention = attention_bytes(model_args, s, b, tp, cp, document_mask=mask)
+    docs = cfg.training.document_mask
+    attention = attention_bytes(model_args, s, b, tp, cp, document_mask=docs, specs=specs)
     whole = block + attention.per_layer
-    if scores_stored:  # Korthikanti's 5as/h term: [local queries x s keys] per head
+    if scores_stored and rec != "selective":  # Korthikanti's 5as/h: [local queries x s keys]
         whole += 5.0 * a * b * local * s / tp
     logits = 0.0
     if has_output:  # bf16 logits + fp32 copy for the cross-entropy, vocab-sharded under TP
@@ -230,7 +274,7 @@ def rank_activations(
         korthikanti=korth,
         block=block,
         kept=layers - full_layers,
-        per_layer=korth + attention.per_layer if rec == "selective" else whole,
+        per_layer=whole,
         checkpointed=full_layers,
         per_checkpointed=korthikanti_layer_bytes(local, b, h, a, tp, recompute="full"),
         microbatches=micro,

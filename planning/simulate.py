@@ -31,7 +31,7 @@ from models.mixed_precision import in_weight_dtype, mixed_precision_dtypes
 from parallelisms.decoder import parallelize_decoder, pipeline_decoder
 from parallelisms.parallel_dims import ParallelDims
 from planning.communication import Experts
-from planning.memory import GIB, rank_activations
+from planning.memory import GIB, layer_attention_specs, rank_activations
 
 _STEP_BYTES = 4  # AdamW's per-parameter `step` counter (an fp32 scalar tensor)
 
@@ -191,8 +191,10 @@ def _measure(
     dtypes: tuple[torch.dtype, torch.dtype],
     spec,
     scores_stored: bool,
+    specs: tuple,
 ) -> RankMemory:
-    """One simulated rank's `RankMemory`, from its parallelized model parts."""
+    """One simulated rank's `RankMemory`, from its parallelized model parts; `specs`: the
+    whole model's distinct attention specs (a stage builds the block masks of all of them)."""
     block_bytes = spec.block_activation_bytes
     pp_rank = rank // (dims.world_size // dims.pp)
     param_bytes, reduce_bytes = (dtype.itemsize for dtype in dtypes)
@@ -208,7 +210,7 @@ def _measure(
         act, note = 0, "activations not counted: the model family gives no block_activation_bytes"
     else:
         estimate = rank_activations(
-            cfg, model_args, dims, pp_rank, layers, has_output, block_bytes, scores_stored
+            cfg, model_args, dims, pp_rank, layers, has_output, block_bytes, scores_stored, specs
         )
         act, note = estimate.total, estimate.describe()
     expert_bytes, expert_gathered, expert_note = _experts_held(parts, dims, param_bytes)
@@ -248,10 +250,11 @@ def _default_ranks(dims: ParallelDims, all_stages: bool) -> list[int]:
 
 def _activation_formula(scores_stored: bool) -> str:
     return (
-        "per layer the model family's count of the tensors one block saves (Llama: "
-        "sbh(28 + 8f/h)/t; Korthikanti et al.'s GPT count: sbh(34/t + 5as/(ht)) with TP+SP); "
-        "full AC keeps 2sbh/t"
-        + ("" if scores_stored else "; no 5as/h term: fused SDPA keeps no s x s scores")
+        "per layer the model family's count of the tensors one block saves, in every AC mode "
+        "(Llama: sb(24h + 4kv + 8f)/t, kv the K/V width; Korthikanti et al.'s GPT count: "
+        "sbh(34/t + 5as/(ht)) with TP+SP); full AC keeps 2sbh/t; the block masks once per "
+        "micro-batch, CP's gathered K/V at the K/V heads' size"
+        + ("" if scores_stored else "; no 5as/h term: attention keeps no s x s scores")
     )
 
 
@@ -295,12 +298,16 @@ def simulate(
     cfg.training.mixed_precision_param = dtype_name(dtypes[0])
     dims = ParallelDims.from_parallelism(cfg.parallelism, world_size)
     with torch.device("meta"):
-        n_total = sum(x.numel() for x in spec.model_cls(model_args).parameters())
+        whole = spec.model_cls(model_args)
+    n_total = sum(x.numel() for x in whole.parameters())
+    specs = tuple(dict.fromkeys(layer_attention_specs(whole)))
     out = []
     for rank in _default_ranks(dims, all_stages) if ranks is None else ranks:
         with _fake_rank(dims, rank):
             parts = _parallelized_parts(spec, model_args, cfg, dims)
-            out.append(_measure(parts, cfg, model_args, dims, rank, dtypes, spec, scores_stored))
+            out.append(
+                _measure(parts, cfg, model_args, dims, rank, dtypes, spec, scores_stored, specs)
+            )
     return Plan(dims, n_total, *dtypes, out, _activation_formula(scores_stored))
 
 

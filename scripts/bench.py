@@ -10,8 +10,8 @@ every row alike. Each run's steady steps (after `--warmup`) give a median step t
 reports the median over its repeats and the spread (min-max of the repeats' tokens/s).
 
 Columns: tokens/s per device (global tokens / world size / step time, as train.py logs it),
-step time, achieved TFLOP/s of the whole machine (6N + 12·L·H·Dh·S FLOPs per token, causal
-attention at full cost, metrics/flops.py), MFU against a peak measured here in the same
+step time, achieved TFLOP/s of the whole machine (6N + 12·H·Dh·Σ span FLOPs per token, each
+layer's attention at the keys it sees, metrics/flops.py), MFU against a peak measured here in the same
 invocation (a dense matmul in the runs' compute dtype on all cores on CPU, plus the bf16 rate
 where the CPU has bf16 instructions; on GPUs one GPU's datasheet peak times the row's GPUs),
 peak memory
@@ -158,6 +158,7 @@ def run_bench(argv: list[str]) -> int:
         "peak_flops_after": peak_after,
         "peak_source": ref.peak_src,
         "flops_per_token": ref.fpt,
+        "flops_formula": "6N + 12·H·Dh·Σ span, each layer at its attention span",
         "params": ref.n_params,
         "config": ns.config,
         "overrides": extra,

@@ -131,10 +131,12 @@ def flops_per_token(overrides: list[str]) -> tuple[float, int]:
     spec = get_model_spec(cfg.model.name)
     with torch.device("meta"):
         model = spec.model_cls(args)
+    from planning.memory import layer_attention_specs
+
     n = count_params(model, spec.embeddings)
-    return fpt(n, args.n_layers, args.n_heads, args.head_dim, cfg.training.seq_len), count_params(
-        model
-    )
+    layers = layer_attention_specs(model)
+    per_token = fpt(n, args.n_layers, args.n_heads, args.head_dim, cfg.training.seq_len, layers)
+    return per_token, count_params(model)
 
 
 def _command(row: Row, ns, extra: list[str], folder: Path) -> tuple[list[str], dict]:

@@ -9,6 +9,9 @@ from pathlib import Path
 
 from bench_rows import Row, get_row  # scripts/bench_rows.py, next to this file
 
+# the FLOPs convention of payloads recorded before each layer's attention span was counted (#25)
+OLD_FLOPS = "6N + 12·L·H·Dh·S, causal at full cost"
+
 
 def summarise(row: Row, runs: list[dict], fpt: float, peak: float, cuda: bool) -> dict:
     """A row's medians; `peak` is the CPU machine's, or one GPU's (times the row's ranks)."""
@@ -101,7 +104,7 @@ def render(payload: dict, folder: Path, notes: str = "") -> str:
         f"- command: `{p['command']}`"
         + "".join(f" with {k}={v}" for k, v in sorted(p.get("env", {}).items())),
         f"- model: config {p['config']} {' '.join(p['overrides'])}: {p['params']:,} parameters, "
-        f"{p['flops_per_token'] / 1e9:.3f} GFLOP/token (6N + 12·L·H·Dh·S, causal at full cost)",
+        f"{p['flops_per_token'] / 1e9:.3f} GFLOP/token ({p.get('flops_formula', OLD_FLOPS)})",
         f"- peak: {peak / 1e12:.3f} TFLOP/s ({p['peak_source']}; best of "
         f"{p['peak_flops_before'] / 1e12:.3f} before the runs and {p['peak_flops_after'] / 1e12:.3f} "
         "after repeats); MFU = all ranks' model FLOP/s / this peak"

@@ -30,7 +30,7 @@ from parallelisms.parallel_dims import ParallelismError
 from planning.advice_report import explain, format_candidates, format_header
 from planning.advise import Workload, advise, verification_config
 from planning.communication import Cluster
-from planning.memory import GIB, zero_bytes_per_param
+from planning.memory import GIB, layer_attention_specs, zero_bytes_per_param
 from planning.simulate import count_experts, format_plan, simulate
 from training.preflight import load_config
 
@@ -40,10 +40,11 @@ LLAMA_13B = ModelArgs(
 )
 
 
-def count(args, name: str = "llama3") -> tuple[int, int]:
+def count(args, name: str = "llama3") -> tuple[int, int, list]:
     """(parameters, parameters one token's matmuls use: without the embeddings unless an
     output projection shares them; for a family with routing hooks its active parameters, as
-    the trainer counts FLOPs) of family `name`'s model with these args, on meta."""
+    the trainer counts FLOPs; each layer's attention spec) of family `name`'s model with these
+    args, on meta."""
     import torch
 
     from metrics import count_params
@@ -51,9 +52,10 @@ def count(args, name: str = "llama3") -> tuple[int, int]:
     spec = get_model_spec(name)
     with torch.device("meta"):
         model = spec.model_cls(args)
+    specs = layer_attention_specs(model)
     if spec.routing is not None:
-        return count_params(model), spec.routing.active_params(model)
-    return count_params(model), count_params(model, spec.embeddings)
+        return count_params(model), spec.routing.active_params(model), specs
+    return count_params(model), count_params(model, spec.embeddings), specs
 
 
 def report(
@@ -82,7 +84,7 @@ def report(
 
 
 def exercise_1() -> str:
-    n, _ = count(LLAMA_13B)
+    n, _, _ = count(LLAMA_13B)
     gpus = 8
     lines = [
         f"Exercise 1: a 13B Llama (Llama 2 13B shape: dim 5120, 40 layers, 40 heads, vocab "
@@ -129,18 +131,20 @@ def advise_report(cfg: JobConfig, cluster: Cluster, global_batch: int, verify: b
     """The proposed mesh for `cfg`'s model on `cluster`, every candidate tried, why, and (with
     `verify`) the proposal's per-rank table from the real parallelize functions."""
     args = model_args_for(cfg, cfg.training.seq_len)
-    n, n_no_emb = count(args, cfg.model.name)
+    n, n_no_emb, layers = count(args, cfg.model.name)
     t, spec = cfg.training, get_model_spec(cfg.model.name)
+    fpt = flops_per_token(n_no_emb, args.n_layers, args.n_heads, args.head_dim, t.seq_len, layers)
     work = Workload(
         args,
         n,
-        flops_per_token(n_no_emb, args.n_layers, args.n_heads, args.head_dim, t.seq_len),
+        fpt,
         t.seq_len,
         global_batch,
         spec.block_activation_bytes,
         micro_batch=t.local_batch_size,
         experts=count_experts(spec, args, cfg),
         document_mask=t.document_mask,
+        attention=tuple(dict.fromkeys(layers)),
     )
     advice = advise(work, cluster)
     model = f"{cfg.model.name} {cfg.model.flavor}"

@@ -127,15 +127,20 @@ def training_step(cfg, dims, device):
 def estimated_activations(cfg, world_size: int) -> int:
     """The estimator's activation bytes for rank 0 of this layout (`planning.memory`: 16-bit
     activations, fused attention), to set beside the measured ones."""
+    import torch
+
     from models import get_model_spec, model_args_for
-    from planning.memory import rank_activations
+    from planning.memory import layer_attention_specs, rank_activations
     from training.preflight import check_config
     from training.trainer import load_tokenizer
 
     dims = check_config(cfg, world_size)
     args = model_args_for(cfg, cfg.training.seq_len, load_tokenizer(cfg).vocab_size)
     spec = get_model_spec(cfg.model.name)
-    act = rank_activations(cfg, args, dims, 0, args.n_layers, True, spec.block_activation_bytes)
+    with torch.device("meta"):
+        specs = tuple(dict.fromkeys(layer_attention_specs(spec.model_cls(args))))
+    block = spec.block_activation_bytes
+    act = rank_activations(cfg, args, dims, 0, args.n_layers, True, block, specs=specs)
     return int(act.total)
 
 

@@ -213,9 +213,12 @@ def dry_run(cfg: JobConfig) -> None:
         vocab = build_tokenizer(cfg.model.tokenizer_path).vocab_size
     spec, args, model = meta_model_for(cfg, cfg.training.seq_len, vocab, ConfigError)
     counts = param_counts(spec, model)
+    from planning.memory import layer_attention_specs
+
     fpt = flops_per_token(
-        counts.flops_params, args.n_layers, args.n_heads, args.head_dim, args.max_seq_len
-    )
+        counts.flops_params, args.n_layers, args.n_heads, args.head_dim, args.max_seq_len,
+        layer_attention_specs(model),
+    )  # fmt: skip
     print(
         f"dry run: {cfg.model.name} {cfg.model.flavor}: {counts.describe()}, "
         f"{fpt / 1e9:.2f} GFLOP per token at seq_len {args.max_seq_len}"

@@ -28,6 +28,7 @@ from parallelisms.compile import key_compile_caches_to_rank, maybe_compile_loss
 from parallelisms.context_parallel import apply_context_parallel
 from parallelisms.decoder import parallelize_decoder, pipeline_decoder
 from parallelisms.parallel_dims import ParallelDims, log_mesh
+from planning.memory import layer_attention_specs
 from training.distributed import (
     init_process_group,
     pick_device,
@@ -161,22 +162,23 @@ def step_loss_fn(cfg: JobConfig, tokens_per_rank_step: int):
 def build_model(cfg, parallel_dims, model_args, device, loss_fn, rank):
     """This rank's model parts (see `build_model_parts`), with the layout they make logged
     and written (layout.json, with the parameter counts); and the whole model's counts
-    (`ParamCounts`), taken from the meta model before the pipeline split or sharding leaves a
-    rank only its part."""
+    (`ParamCounts`) and each layer's attention spec (for the FLOPs per token), taken from the
+    meta model before the pipeline split or sharding leaves a rank only its part."""
     model = meta_model(cfg, model_args)
     counts = param_counts(get_model_spec(cfg.model.name), model)
+    attention = layer_attention_specs(model)
     built = build_model_parts(cfg, parallel_dims, model_args, device, loss_fn, model=model)
     layout = built_layout(built[0], parallel_dims, built[1])
     layout["parameters"] = counts.as_dict()
     if rank == 0:
         write_layout(cfg.job.dump_folder, layout)
     logger.info(summarize(layout))
-    return built, counts
+    return built, counts, attention
 
 
-def model_rates(cfg, model_args, counts, device, batches, dp_degree):
+def model_rates(cfg, model_args, counts, device, batches, dp_degree, attention=None):
     """(FLOPs per token, device peak FLOP/s) for the MFU, logged with the model's size and
-    the batch."""
+    the batch; `attention`: each layer's spec (None: all plain causal)."""
     t = cfg.training
     fpt = flops_per_token(
         counts.flops_params,
@@ -184,6 +186,7 @@ def model_rates(cfg, model_args, counts, device, batches, dp_degree):
         model_args.n_heads,
         model_args.head_dim,
         t.seq_len,
+        attention,
     )
     compute_dtype = mixed_precision_dtypes(t, device.type)[0]
     peak, peak_src = device_peak_flops(device, compute_dtype, default_cache_dir())
@@ -337,8 +340,8 @@ def build_run(cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, local_r
     batches = batch_sizes(cfg, dp_degree, parallel_dims.cp)
     step_loss = step_loss_fn(cfg, batches.tokens_per_rank_step)
     rss_before_model = process_rss_gib() if device.type == "cpu" else None
-    built, counts = build_model(cfg, parallel_dims, model_args, device, step_loss, rank)
-    fpt, peak = model_rates(cfg, model_args, counts, device, batches, dp_degree)
+    built, counts, attention = build_model(cfg, parallel_dims, model_args, device, step_loss, rank)
+    fpt, peak = model_rates(cfg, model_args, counts, device, batches, dp_degree, attention)
     warn_if_warmup_too_long(cfg)
     train_loader, val_loader = build_loaders(cfg, tokenizer, dp_rank, dp_degree)
     model_parts = built[0]

@@ -25,7 +25,7 @@ def qwen3_tp_plan(loss_parallel: bool) -> TPPlan:
 
 
 def qwen3_block_activation_bytes(args, s: int, b: int, t: int = 1) -> float:
-    """Activation bytes one Qwen3 block saves for backward (16-bit compute, fused attention),
+    """Activation bytes one Qwen3 block saves for backward (16-bit compute, no attention scores),
     fitted to what autograd keeps (tests/unit/test_estimate.py measures it): per token 20 dim for the
     two RMSNorms (as Llama's), 16 q_dim and 8 kv_dim for the projections, QK-norms, RoPE and
     attention (q_dim = n_heads x head_dim, kv_dim = n_kv_heads x head_dim), 8 ffn_dim for

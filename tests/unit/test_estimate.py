@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 from dist_utils import TINY_SHAPE, fake_world
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -33,6 +34,7 @@ from planning.communication import (
 from planning.memory import (
     GIB,
     attention_bytes,
+    block_mask_bytes,
     korthikanti_layer_bytes,
     rank_activations,
     zero_bytes_per_param,
@@ -149,6 +151,8 @@ def _saved_bytes(block: torch.nn.Module, x: torch.Tensor, skip: set[int], *input
     saved = {}
 
     def pack(t):
+        if isinstance(t, AsyncCollectiveTensor):  # a gathered K/V (CP), saved as it came
+            t = t.elem
         st = t.untyped_storage()
         if st.data_ptr() not in skip:
             saved[st.data_ptr()] = st.nbytes()
@@ -163,6 +167,7 @@ def _saved_bytes(block: torch.nn.Module, x: torch.Tensor, skip: set[int], *input
     "name,flavor,shape",
     [
         ("llama3", "debugmodel", {"dim": 256, "n_heads": 8}),
+        ("llama3", "debugmodel", {"dim": 256, "n_heads": 8, "n_kv_heads": 2}),  # 4 per group
         ("qwen3", "debugmodel", {"dim": 256, "n_heads": 8, "n_kv_heads": 4}),
         ("qwen3", "debugmodel_untied", {"dim": 128, "n_heads": 4, "n_kv_heads": 1}),
         ("qwen3_moe", "debugmodel", {}),
@@ -501,39 +506,72 @@ def _cp_activations(cp: int, ac: str = "none", extra: str = ""):
 
 
 def test_cp_terms_by_hand_for_llama3_8b_at_128k():
-    """Per layer a CP 2 rank adds the gathered K and V repeated to the 32 query heads beyond
-    its own half (2 x 65,536 x 4096 x 2 B); with document masking SDPA's bf16 copy of the
-    [65,536 x 131,072] mask, and once per micro-batch the boolean mask (plain CP is causal
-    chunk by chunk, no mask); one layer's K/V gradients at 128K tokens."""
+    """Per layer a CP 2 rank adds the gathered K and V at the 8 K/V heads beyond its own half
+    (2 x 65,536 x 1024 x 2 B); once per micro-batch the block mask over its 65,536 queries and
+    the 131,072 keys (512 x 1024 blocks of 128: 8 int32 tensors, both orientations), built
+    under CP with or without document masking; one layer's K/V gradients at 128K tokens."""
     plain = attention_bytes(LLAMA3_8B_128K, 131072, 1, 1, 2)
-    assert (plain.kv, plain.mask, plain.mask_input) == (1 << 30, 0, 0)
+    mask = 4 * (2 * (512 + 1024) + 4 * 512 * 1024)  # 8.0 MiB
+    assert block_mask_bytes(65536, 131072, 1) == mask
+    assert (plain.kv, plain.masks) == (256 << 20, mask)
     c = attention_bytes(LLAMA3_8B_128K, 131072, 1, 1, 2, document_mask=True)
-    assert (c.kv, c.mask, c.mask_input) == (1 << 30, 16 << 30, 8 << 30)
-    assert c.transient == plain.transient == 2 * 131072 * (4096 + 1024) * 2  # 2.5 GiB
-    assert attention_bytes(LLAMA3_8B_128K, 131072, 1, 1, 1).per_layer == 0
+    assert (c.kv, c.masks) == (256 << 20, mask)
+    assert c.transient == plain.transient == 2 * 131072 * 1024 * 2  # 512 MiB
+    alone = attention_bytes(LLAMA3_8B_128K, 131072, 1, 1, 1)
+    assert (alone.per_layer, alone.masks, alone.transient) == (0, 0, 0)
     at_tp2 = attention_bytes(LLAMA3_8B_128K, 131072, 1, 2, 4, document_mask=True)
-    assert (at_tp2.kv, at_tp2.mask) == (2 * 98304 * 2048 * 2, 32768 * 131072 * 2)
+    assert (at_tp2.kv, at_tp2.masks) == (2 * 98304 * 512 * 2, block_mask_bytes(32768, 131072, 1))
+
+
+def test_block_masks_one_per_distinct_spec_that_needs_one():
+    """The masks counted are those `attention_batch` builds: none for plain causal layers
+    alone, one per distinct mask key otherwise (window and global layers with document
+    masking: two; the same spec on every layer: one; the plain causal layers of a model with windows none without
+    document masking), of the bytes of the real BlockMask's tensors."""
+    from models.attention import AttentionSpec, attention_batch
+
+    args, s, b = LLAMA3_8B_128K, 1024, 2
+    local, window = AttentionSpec(window=256), AttentionSpec()
+    cases = [((window,), False, 0), ((window,), True, 1), ((local, window), False, 1)]
+    cases += [((local, window, local), True, 2), ((AttentionSpec(document_mask=False),), True, 0)]
+    for specs, docs, n in cases:
+        documents = (torch.arange(s) // 300).expand(b, -1) if docs else None
+        batch = attention_batch(list(specs), b, s, torch.device("cpu"), documents=documents)
+        masks = [] if batch is None else list(batch.masks.values())
+        real = sum(t.nbytes for m in masks for t in m.as_tuple() if isinstance(t, torch.Tensor))
+        estimated = attention_bytes(args, s, b, 1, 1, document_mask=docs, specs=specs).masks
+        assert (len(masks), estimated) == (n, real) == (n, n * block_mask_bytes(s, s, b))
+
+
+def test_selective_op_ac_counts_the_family_block():
+    """Op-level selective AC keeps the family's count per layer (its upper bound: the
+    backends keep no scores to drop), not Korthikanti's GPT count."""
+    op = "--activation_checkpoint.selective_ac_option op"
+    sel, none = _cp_activations(1, "selective", op), _cp_activations(1)
+    assert sel.kept == 32 and sel.per_layer == sel.block == none.per_layer
+    assert sel.total == none.total
 
 
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("ac", ["none", "full"])
 def test_cp_divides_the_per_rank_activations_by_its_degree(cp, ac):
     """What scales with the rank's tokens (the block count, full AC's kept inputs, the logits)
-    falls exactly by the CP degree; the gathered K/V, the masks and the transient come on top."""
+    falls exactly by the CP degree; the gathered K/V, the block mask and the transient come on
+    top."""
     one, split = _cp_activations(1, ac), _cp_activations(cp, ac)
     c = attention_bytes(LLAMA3_8B_128K, 131072, 1, 1, cp)
     assert split.block * cp == one.block and split.logits * cp == one.logits
     assert split.per_checkpointed * cp == one.per_checkpointed
     if ac == "none":
         assert (one.kept, split.kept) == (32, 32)
-        assert split.per_layer == one.per_layer / cp + c.kv + c.mask
-        extra = 32 * (c.kv + c.mask)
+        assert split.per_layer == one.per_layer / cp + c.kv
+        extra = 32 * c.kv
     else:
         assert (one.checkpointed, split.checkpointed) == (32, 32)
-        assert split.recompute == one.recompute / cp + c.kv + c.mask
-        extra = c.kv + c.mask
+        assert split.recompute == one.recompute / cp + c.kv
+        extra = c.kv
         assert split.total < one.total  # only the recomputed layer keeps CP's full-length terms
-    assert split.total == int(one.total / cp + extra + c.mask_input + c.transient)
+    assert split.total == int(one.total / cp + extra + c.masks + c.transient)
     assert f"s=131072/cp {cp} = {131072 // cp}" in split.describe()
 
 
@@ -628,47 +666,61 @@ def test_cp_states_are_sharded_over_dp_shard_x_cp(world, tp, cp):
         assert rank.params == 4 * n // world
 
 
-def test_document_mask_adds_its_mask_without_cp():
-    """Document masking passes a [b, 1, s, s] mask to every layer at CP 1 too: its bf16 copy
-    per layer and the boolean mask once; no gathered K/V."""
+def test_document_mask_adds_its_block_mask_without_cp():
+    """Document masking at CP 1 adds one block mask per micro-batch (int32 block indices over
+    1024 x 1024 blocks of 128 tokens, 16 MiB at 128K), nothing per layer: the block-sparse
+    kernels keep what SDPA keeps."""
     plain, masked = _cp_activations(1), _cp_activations(1, extra="--training.document_mask")
     a = attention_bytes(LLAMA3_8B_128K, 131072, 1, 1, 1, document_mask=True)
-    assert (a.kv, a.mask, a.mask_input, a.transient) == (0, 32 << 30, 16 << 30, 0)
-    assert masked.total == plain.total + 32 * a.mask + a.mask_input
+    assert (a.kv, a.masks, a.transient) == (0, 4 * (2 * 2048 + 4 * 1024 * 1024), 0)
+    assert masked.total == plain.total + a.masks
 
 
 def test_cp_attention_terms_equal_what_autograd_saves_on_cpu():
-    """One bf16 Llama block on CP rank 0 of 4, 256 of 1024 tokens, through the real CP
-    attention (`apply_context_parallel`: K/V all-gathered over a fake 4-rank group, which
-    gives the gathered sizes) with the rank's positions and document mask from
-    `sequence_inputs`. What autograd saves beyond the same block on 256 tokens alone is
-    exactly `attention_bytes`' per-layer terms: the full-length K and V at all heads instead
-    of the local ones, and SDPA's bf16 copy of the [256 x 1024] mask. (Plain CP builds no
-    such mask: on CUDA none at all; on CPU SDPA materialises the causal bias per chunk, not
-    counted.)"""
+    """One bf16 grouped-query Llama block (8 heads, 2 K/V heads) on CP rank 0 of 4, 256 of 1024
+    tokens, through the real CP attention (`apply_context_parallel`: K/V all-gathered over a
+    fake 4-rank group, which gives the gathered sizes) with the rank's positions and documents
+    from `sequence_inputs` and the model's block masks (`attention_batch`). What autograd saves
+    beyond the same block on 256 tokens alone (same document-masked backend) is exactly
+    `attention_bytes`' per-layer term, the full-length K and V at the K/V heads' size instead
+    of the local ones; the block mask's tensors are its `masks` term."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    from models.attention import attention_batch
     from parallelisms.context_parallel import apply_context_parallel
     from training.inputs import SequenceSplit, sequence_inputs
 
     s, cp, b = 1024, 4, 1
     local = s // cp
-    args = build_model_args("llama3", "debugmodel", s, None, {"dim": 256, "n_heads": 8})
+    shape = {"dim": 256, "n_heads": 8, "n_kv_heads": 2}
+    args = build_model_args("llama3", "debugmodel", s, None, shape)
     model = get_model_spec("llama3").model_cls(args).to(torch.bfloat16)
     model.init_buffers("cpu")
+    specs = model.attention_specs
     skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
     skip.add(model.rope.untyped_storage().data_ptr())
     x = torch.randn(b, local, args.dim, dtype=torch.bfloat16, requires_grad=True)
-    alone = _saved_bytes(model.layers["0"], x, skip, model.rope)
+
+    def coordinates(batch):
+        tensors = [batch.positions, batch.key_positions, batch.documents, batch.key_documents]
+        tensors += [t for m in batch.masks.values() for t in m.as_tuple()]
+        return [t for t in tensors if isinstance(t, torch.Tensor)]
+
+    # document masking over one document (no end token): causal, through the block mask
+    docs = torch.zeros(b, local, dtype=torch.int32)
+    own = attention_batch(specs, b, local, torch.device("cpu"), documents=docs)
+    skip |= {t.untyped_storage().data_ptr() for t in coordinates(own)}
+    alone = _saved_bytes(model.layers["0"], x, skip, model.rope, own)
     tokens = torch.zeros(b, s, dtype=torch.long)
-    # document masking over one document (no end token): the causal mask, made explicit
     _, _, inputs = sequence_inputs(SequenceSplit(0, cp, eos_id=1), tokens, tokens)
-    rope, mask = model.rope[inputs["positions"]], inputs["attention_mask"]
-    skip |= {rope.untyped_storage().data_ptr(), mask.untyped_storage().data_ptr()}
+    batch = attention_batch(specs, b, local, torch.device("cpu"), **inputs)
+    rope = model.rope[inputs["positions"]]
+    skip |= {t.untyped_storage().data_ptr() for t in [rope, *coordinates(batch)]}
     with fake_world(cp):
         assert apply_context_parallel(model, init_device_mesh("cpu", (cp,))) == args.n_layers
-        with_cp = _saved_bytes(model.layers["0"], x, skip, rope, mask)
-    c = attention_bytes(args, s, b, 1, cp, document_mask=True)
-    assert mask.shape == (b, 1, local, s) and mask.dtype == torch.bool
-    assert c.kv == 2 * (s - local) * 256 * 2 and c.mask == local * s * 2
-    assert with_cp - alone == c.kv + c.mask
+        with_cp = _saved_bytes(model.layers["0"], x, skip, rope, batch)
+    c = attention_bytes(args, s, b, 1, cp, document_mask=True, specs=specs)
+    assert c.kv == 2 * (s - local) * 64 * 2
+    assert with_cp - alone == c.kv
+    (mask,) = batch.masks.values()
+    assert c.masks == sum(t.nbytes for t in mask.as_tuple() if isinstance(t, torch.Tensor))

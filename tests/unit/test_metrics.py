@@ -27,6 +27,9 @@ from metrics import (
     throughput,
 )
 from metrics import peak_flops as peak_flops_module
+from metrics.flops import attention_span
+from models import build_model_args, get_model_spec
+from planning.memory import layer_attention_specs
 
 
 class TinyBlock(nn.Module):
@@ -93,15 +96,36 @@ def test_count_params_dtensor_counts_global_numel(tmp_path) -> None:
 
 
 def test_flops_per_token_by_hand() -> None:
-    # 6 * 1000 = 6000; 12 * 2 layers * 4 heads * 8 head_dim * 16 seq = 12288.
-    assert flops_per_token(1000, n_layers=2, n_heads=4, head_dim=8, seq_len=16) == 18288.0
+    # 6 * 1000 = 6000; causal: a query sees (16 + 1) / 2 keys on average, so
+    # 12 * 4 heads * 8 head_dim * 2 layers * 8.5 = 6528.
+    assert flops_per_token(1000, n_layers=2, n_heads=4, head_dim=8, seq_len=16) == 12528.0
+
+
+def test_flops_per_token_counts_each_layer_at_its_span() -> None:
+    """Per layer the keys a query sees on average: causal (S + 1) / 2, a causal window of 4
+    at 16 tokens (1 + 2 + 3 + 13 x 4) / 16 = 3.625, non-causal all 16; the default is every
+    layer plain causal, which is what a Llama model's cores declare."""
+    from models.attention import AttentionSpec
+
+    causal, window, full = AttentionSpec(), AttentionSpec(window=4), AttentionSpec(causal=False)
+    assert [attention_span(x, 16) for x in (causal, window, full)] == [8.5, 3.625, 16.0]
+    assert attention_span(AttentionSpec(window=64), 16) == 8.5  # a window past the sequence
+    per_head = 12 * 4 * 8
+    fpt = flops_per_token(1000, 3, 4, 8, 16, [window, causal, window])
+    assert fpt == 6000 + per_head * (3.625 + 8.5 + 3.625)
+    args = build_model_args("llama3", "debugmodel", 64)
+    with torch.device("meta"):
+        specs = layer_attention_specs(get_model_spec("llama3").model_cls(args))
+    assert specs == [causal] * args.n_layers
+    assert flops_per_token(1000, 6, 4, 8, 64, specs) == flops_per_token(1000, 6, 4, 8, 64)
 
 
 def test_flops_per_token_llama3_8b_magnitude() -> None:
     n = 8_030_261_248 - 128_256 * 4096  # Llama 3 8B without its token embedding
     fpt = flops_per_token(n, n_layers=32, n_heads=32, head_dim=128, seq_len=8192)
-    assert fpt == 6 * 7_504_924_672 + 12_884_901_888  # about 57.9 GFLOP per token
-    assert 5.78e10 < fpt < 5.80e10
+    # 12 x 32 layers x 32 heads x 128 x (8192 + 1) / 2: causal attention at about half the keys
+    assert fpt == 6 * 7_504_924_672 + 6_443_237_376  # about 51.5 GFLOP per token
+    assert 5.14e10 < fpt < 5.16e10
 
 
 def test_throughput_arithmetic() -> None:
