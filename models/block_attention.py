@@ -132,7 +132,9 @@ def _forward(
     k_doc: Tensor | None, causal: bool, window: int, softcap: float, scale: float, size: int,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     work = _work_dtype(q.dtype)
-    out = torch.zeros(q.shape, dtype=work, device=q.device)
+    # in q's memory order: the layers' q is a transposed [batch, seq, heads, dim] tensor, and
+    # an output in that order reaches the output projection without a copy
+    out = torch.zeros_like(q, dtype=work)
     lse = torch.zeros(q.shape[:3], dtype=work, device=q.device)
     cap = softcap or None
     for b, rows, keys, hidden, group, kv_heads, dim in _blocks(
@@ -152,9 +154,8 @@ def _forward(
 @_forward.register_fake
 def _(q, k, v, num, idx, full_num, full_idx, q_pos, k_pos, q_doc, k_doc, causal, window,
       softcap, scale, size):  # fmt: skip
-    # contiguous, as the kernel's results are (empty_like would copy a transposed q's strides,
-    # and compiled code asserts the real output has the fake's)
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_work_dtype(q.dtype))
+    # the kernel's memory order (compiled code asserts the real output has the fake's strides)
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=_work_dtype(q.dtype))
 
 
 @torch.library.custom_op("meshtrain::block_attention_backward", mutates_args=())
@@ -165,9 +166,7 @@ def _backward(
     scale: float, size: int,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     work = _work_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=work, device=q.device)
-    dk = torch.zeros(k.shape, dtype=work, device=q.device)
-    dv = torch.zeros(v.shape, dtype=work, device=q.device)
+    dq, dk, dv = (torch.zeros_like(x, dtype=work) for x in (q, k, v))  # their memory order
     cap = softcap or None
     for b, rows, keys, hidden, group, kv_heads, dim in _blocks(
         q, k, v, num, idx, full_num, full_idx, q_pos, k_pos, q_doc, k_doc, causal,
@@ -193,7 +192,7 @@ def _backward(
 
 @_backward.register_fake
 def _(grad, q, k, v, out, lse, *rest):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # as the kernel
 
 
 def _setup(ctx, inputs, output) -> None:

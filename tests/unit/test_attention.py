@@ -185,10 +185,11 @@ def test_a_compiled_block_keeps_the_kernel_one_node():
 
 
 def test_the_kernels_fake_outputs_have_the_real_ones_strides():
-    """What compile sees of the custom ops (their fake kernels) is what they return: contiguous
-    results, also for a transposed q (as attention layers pass it, [batch, seq, heads, dim]
-    transposed). A fake that copied q's strides failed every compiled windowed, soft-capped
-    or document-masked layer at run time (inductor asserts the strides)."""
+    """What compile sees of the custom ops (their fake kernels) is what they return, also for a
+    transposed q (as attention layers pass it, [batch, seq, heads, dim] transposed): results in
+    the inputs' memory order (the output projection then reads the output without a copy). A
+    fake that disagreed with the kernel failed every compiled windowed, soft-capped or
+    document-masked layer at run time (inductor asserts the strides)."""
     spec = AttentionSpec(window=40, softcap=3.0)
     batch, seq = 1, 256
     q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2) for t in
