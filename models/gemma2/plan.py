@@ -32,11 +32,12 @@ def gemma2_block_activation_bytes(args, s: int, b: int, t: int = 1) -> float:
     (tests/unit/test_estimate.py measures it). Per token: each of the four RMSNorms its
     float32 input and normalised value (8 dim) and float32 1/rms (4), the two pre-norms their
     16-bit output (2 dim each, the q/k/v and w1/w3 input); the rotated q and k, v (RoPE
-    multiplies by constant tables: it saves nothing more), the attention output and wo's input
-    (6 q_dim + 4 kv_dim, q_dim = n_heads x head_dim, kv_dim = n_kv_heads x head_dim), the
+    multiplies by constant tables: it saves nothing more) and the attention output, which wo
+    reads as it is (4 q_dim + 4 kv_dim, q_dim = n_heads x head_dim, kv_dim = n_kv_heads x
+    head_dim), the
     log-sum-exp (4 n_heads) and the positions the mask reads (8); GeGLU's w1 and w3 outputs,
     gelu output and product (8 ffn_dim). Divided by t under TP + sequence parallelism."""
     q_dim, kv_dim = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-    per_token = 36 * args.dim + 6 * q_dim + 4 * kv_dim + 8 * args.ffn_dim
+    per_token = 36 * args.dim + 4 * q_dim + 4 * kv_dim + 8 * args.ffn_dim
     per_token += 4 * args.n_heads + 4 * 4 + 8
     return float(s) * b * per_token / t
