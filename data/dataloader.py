@@ -11,6 +11,10 @@ State (`state_dict()`) is the *global* position and is identical on every rank::
     {"version": 1, "consumed_sequences": int, "seq_len": int, "dataset": str,
      "cursor": dict, "dp_degree": int, "local_batch_size": int}
 
+With `documents=True` each item is (input_ids, labels, documents): `documents[b, t]` is the
+index, within row b, of the document token t belongs to (0 for the row's first document), from
+the sources' document boundaries (a token file's index, a stream's packing), not from the tokens.
+
 `cursor` lets a streamed source resume without re-reading (file sources need only the
 position); `dp_degree` and `local_batch_size` are informational. A state saved at any dp degree
 can be loaded at any other: the loader simply continues at `consumed_sequences`, so no sequence
@@ -21,7 +25,10 @@ be identical and any one of them is used.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -37,16 +44,17 @@ from data.dataset import (
     cached_token_file,
     file_identity,
 )
+from data.indexed import TokenStream, open_indexed, read_meta, resolve_prefixes
 from data.sample_corpus import ensure_sample_corpus
 from data.sources import FILE_EXTENSIONS, iter_documents, open_hf_stream, resolve_files
 from data.tokenizer import Tokenizer, build_tokenizer
 
 logger = logging.getLogger("meshtrain")
 
-SUPPORTED_DATASETS = ("sample", "text", "jsonl", "parquet", "huggingface")
+SUPPORTED_DATASETS = ("sample", "text", "jsonl", "parquet", "huggingface", "megatron")
 STATE_VERSION = 1
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[torch.Tensor, ...]  # (inputs, labels) or (inputs, labels, documents)
 
 
 class DPDataLoader:
@@ -65,8 +73,10 @@ class DPDataLoader:
         dp_rank: int,
         dp_degree: int,
         infinite: bool,
+        documents: bool = False,
     ) -> None:
         self.source = source
+        self.documents = documents
         self.local_batch_size = local_batch_size
         self.dp_rank = dp_rank
         self.dp_degree = dp_degree
@@ -92,8 +102,14 @@ class DPDataLoader:
                     rows.append(row)
         except EndOfEpoch:
             return None
-        sequences = torch.from_numpy(np.stack(rows).astype(np.int64))
-        return sequences[:, :-1].contiguous(), sequences[:, 1:].contiguous()
+        sequences = torch.from_numpy(np.stack([tokens for tokens, _ in rows]).astype(np.int64))
+        inputs, labels = sequences[:, :-1].contiguous(), sequences[:, 1:].contiguous()
+        if not self.documents:
+            return inputs, labels
+        starts = np.zeros(inputs.shape, dtype=np.int32)
+        for row, (_, within) in enumerate(rows):
+            starts[row, within] = 1
+        return inputs, labels, torch.from_numpy(np.cumsum(starts, axis=1, dtype=np.int32))
 
     def state_dict(self) -> dict[str, Any]:
         """The global position (the same on every rank)."""
@@ -144,11 +160,14 @@ def build_dataloader(
     text_field: str = "text",
     cache_dir: str | None = None,
     infinite: bool = True,
+    documents: bool = False,
 ) -> DPDataLoader:
     """Returns an iterable with state_dict()/load_state_dict(); each item is (input_ids, labels),
-    both torch.long tensors of shape [local_batch_size, seq_len] (on CPU).
+    both torch.long tensors of shape [local_batch_size, seq_len] (on CPU), and with `documents`
+    their document indices (int32, same shape; see DPDataLoader).
 
-    `dataset` is one of SUPPORTED_DATASETS. For "sample" `dataset_path` is ignored and `split`
+    `dataset` is one of SUPPORTED_DATASETS; "megatron" reads pre-tokenised indexed datasets
+    (`dataset_path`: prefixes, .idx files, folders or globs, comma-separated). For "sample" `dataset_path` is ignored and `split`
     ("train"/"validation") picks the part; for "huggingface" `split` is the HF split; for local
     files it is ignored. `tokenizer` may be a Tokenizer or a tokenizer file path.
     """
@@ -187,6 +206,7 @@ def build_dataloader(
         dp_rank=dp_rank,
         dp_degree=dp_degree,
         infinite=infinite,
+        documents=documents,
     )
 
 
@@ -213,6 +233,8 @@ def build_source(
         files = resolve_files(dataset, dataset_path)
         name = f"{dataset}:{dataset_path}"
         return _packed_files(dataset, files, text_field, tokenizer, seq_len, cache_dir, name)
+    if dataset == "megatron":
+        return indexed_corpus(dataset_path, tokenizer, seq_len)
     if dataset == "huggingface":
         if not dataset_path:
             raise ValueError("dataset 'huggingface' needs dataset_path: a hub name or local folder")
@@ -247,6 +269,29 @@ def _packed_files(
         name=name,
     )
     return PackedTokens(tokens, seq_len, name, fingerprint=f"{name}:{key}")
+
+
+def indexed_corpus(dataset_path: str, tokenizer: Tokenizer, seq_len: int) -> PackedTokens:
+    """Pre-tokenised Megatron indexed datasets, memory-mapped and read as one stream in the
+    order `resolve_prefixes` gives. A corpus whose `.meta.json` names another tokenizer is
+    refused; one without (Megatron's own tools write none) is checked window by window against
+    the vocabulary (`PackedTokens.vocab_size`)."""
+    prefixes = resolve_prefixes(dataset_path)
+    files = []
+    for prefix in prefixes:
+        meta = read_meta(prefix)
+        if meta is not None and meta.get("tokenizer") not in (None, tokenizer.fingerprint):
+            raise ValueError(
+                f"{prefix} was tokenised with tokenizer {meta['tokenizer'][:16]}, not this run's "
+                f"{tokenizer.path} ({tokenizer.fingerprint[:16]}); set model.tokenizer_path to "
+                "the corpus' tokenizer or re-tokenise the corpus"
+            )
+        files.append(open_indexed(prefix))
+    tokens = TokenStream([f.tokens for f in files], [f.doc_starts for f in files])
+    identity = [[p, os.path.getsize(f"{p}.bin")] for p in prefixes]
+    key = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:16]
+    name = f"megatron:{dataset_path}"
+    return PackedTokens(tokens, seq_len, name, f"{name}:{key}", vocab_size=tokenizer.vocab_size)
 
 
 def _single_state(state: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -12,10 +12,17 @@ Stream definition (the same for every source and every data-parallel layout):
   are dropped;
 - epochs repeat the same stream; global sequence index `g` runs on across epochs.
 
-File sources are tokenised once into a flat token file in the cache (`tokens/<key>.bin`, uint16
-when the vocabulary fits, else uint32, plus `<key>.json` metadata; the key hashes the files'
-paths/sizes/mtimes, the text field and the tokenizer) that is memory-mapped, so sequence `g` is an
-O(1) slice. Streaming Hugging Face datasets are tokenised on the fly by every rank.
+File sources are tokenised once into the cache as a Megatron indexed dataset
+(`tokens/<key>.bin` + `.idx`, uint16 when the vocabulary fits, else int32, one document per
+sequence, plus `<key>.meta.json`; the key hashes the files' paths/sizes/mtimes, the text field
+and the tokenizer) that is memory-mapped, so sequence `g` is an O(1) slice; pre-tokenised Megatron
+corpora (`data/indexed.py`) are read the same way, from many files. Streaming Hugging Face
+datasets are tokenised on the fly by every rank.
+
+Document boundaries travel with the tokens: a reader's `advance` returns, with a kept window, the
+window-relative offsets of the documents that start inside it (from the index for token files, from
+the packing for streams), so document masking needs no end-of-document token
+(`data.dataloader.DPDataLoader(documents=True)`).
 """
 
 from __future__ import annotations
@@ -33,11 +40,12 @@ from typing import Any, Protocol
 import numpy as np
 
 from data.cache import build_once
+from data.indexed import TokenStream, open_indexed, token_dtype, write_indexed
 from data.tokenizer import Tokenizer
 
 logger = logging.getLogger("meshtrain")
 
-_TOKEN_CACHE_VERSION = 1
+_TOKEN_CACHE_VERSION = 2  # 2: Megatron indexed format with document boundaries
 _ENCODE_BATCH = 256  # documents per tokenizer call while building a token file
 
 
@@ -45,13 +53,18 @@ class EndOfEpoch(Exception):
     """Raised by a finite reader when its single epoch is exhausted."""
 
 
+# A kept sequence: its L+1 tokens, and the offsets (in 1..L-1, ascending) at which a document
+# starts inside its first L tokens (the inputs).
+Window = tuple[np.ndarray, np.ndarray]
+
+
 class SequenceReader(Protocol):
     """A cursor over the global sequence stream."""
 
     position: int  # global index of the next sequence
 
-    def advance(self, keep: bool) -> np.ndarray | None:
-        """Move past the next sequence, returning its L+1 tokens if `keep`."""
+    def advance(self, keep: bool) -> Window | None:
+        """Move past the next sequence, returning its window if `keep`."""
         ...
 
     def cursor(self) -> dict[str, Any]:
@@ -81,34 +94,34 @@ def cached_token_file(
     tokenizer: Tokenizer,
     cache_dir: str,
     name: str,
-) -> tuple[np.ndarray, str]:
-    """Tokenise the documents into the cache once; return (memory-mapped tokens, cache key)."""
+) -> tuple[TokenStream, str]:
+    """Tokenise the documents into the cache once, as a Megatron indexed dataset; return
+    (its memory-mapped token stream with document boundaries, cache key)."""
     identity = {"version": _TOKEN_CACHE_VERSION, "tokenizer": tokenizer.fingerprint, **identity}
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
-    folder = Path(cache_dir) / "tokens"
-    meta_path, bin_path = folder / f"{key}.json", folder / f"{key}.bin"
-    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+    prefix = Path(cache_dir) / "tokens" / key
+    targets = [Path(f"{prefix}{suffix}") for suffix in (".bin", ".idx", ".meta.json")]
+    dtype = token_dtype(tokenizer.vocab_size)
+
+    def encoded() -> Iterator[np.ndarray]:
+        docs = (doc for doc in documents() if doc)
+        while batch := list(islice(docs, _ENCODE_BATCH)):
+            yield from (
+                np.asarray(i, dtype=dtype) for i in tokenizer.encode_batch(batch, True, True)
+            )
 
     def build(temps: list[Path]) -> None:
-        logger.info("tokenising %s into %s (once; other ranks wait)", name, bin_path)
-        num_docs = num_tokens = 0
-        with open(temps[1], "wb") as out:
-            docs = (doc for doc in documents() if doc)
-            while batch := list(islice(docs, _ENCODE_BATCH)):
-                ids = tokenizer.encode_batch(batch, bos=True, eos=True)
-                out.write(np.concatenate([np.asarray(i, dtype=dtype) for i in ids]).tobytes())
-                num_docs += len(batch)
-                num_tokens += sum(len(i) for i in ids)
+        logger.info("tokenising %s into %s (once; other ranks wait)", name, targets[0])
+        num_docs, num_tokens = write_indexed(temps[0], temps[1], encoded(), dtype)
         if num_tokens == 0:
             raise ValueError(f"{name} contains no non-empty documents")
-        meta = {"dtype": np.dtype(dtype).name, "num_tokens": num_tokens, "num_docs": num_docs}
-        temps[0].write_text(json.dumps({**meta, "identity": identity}, indent=1))
+        meta = {"num_tokens": num_tokens, "num_docs": num_docs, "tokenizer": tokenizer.fingerprint}
+        temps[2].write_text(json.dumps({**meta, "identity": identity}, indent=1))
         logger.info("tokenised %s: %d documents, %d tokens", name, num_docs, num_tokens)
 
-    build_once([meta_path, bin_path], build)
-    meta = json.loads(meta_path.read_text())
-    tokens = np.memmap(bin_path, dtype=meta["dtype"], mode="r")
-    return tokens, key
+    build_once(targets, build)
+    file = open_indexed(str(prefix))
+    return TokenStream([file.tokens], [file.doc_starts]), key
 
 
 def file_identity(files: list[str]) -> list[list[Any]]:
@@ -119,12 +132,13 @@ def file_identity(files: list[str]) -> list[list[Any]]:
 
 @dataclass
 class PackedTokens:
-    """A tokenised epoch held as one flat array; sequence i is an O(1) slice."""
+    """A tokenised epoch held as one token stream; sequence i is an O(1) slice."""
 
-    tokens: np.ndarray
+    tokens: TokenStream
     seq_len: int
     name: str
     fingerprint: str
+    vocab_size: int | None = None  # set: every kept window is checked to lie below it
 
     def __post_init__(self) -> None:
         self.num_sequences = (len(self.tokens) - 1) // self.seq_len
@@ -145,7 +159,7 @@ class PackedReader:
     def __init__(self, packed: PackedTokens, position: int, infinite: bool) -> None:
         self.packed, self.position, self.infinite = packed, position, infinite
 
-    def advance(self, keep: bool) -> np.ndarray | None:
+    def advance(self, keep: bool) -> Window | None:
         """Move past global sequence `position`; raise EndOfEpoch after epoch 0 if finite."""
         epoch, index = divmod(self.position, self.packed.num_sequences)
         if epoch > 0 and not self.infinite:
@@ -155,8 +169,16 @@ class PackedReader:
         self.position += 1
         if not keep:
             return None
-        start = index * self.packed.seq_len
-        return self.packed.tokens[start : start + self.packed.seq_len + 1]
+        seq_len, tokens = self.packed.seq_len, self.packed.tokens
+        start = index * seq_len
+        window = tokens.slice(start, start + seq_len + 1)
+        vocab = self.packed.vocab_size
+        if vocab is not None and len(window) and (window.max() >= vocab or window.min() < 0):
+            raise ValueError(
+                f"{self.packed.name}: sequence {index} holds token ids outside the tokenizer's "
+                f"vocabulary [0, {vocab}); the corpus was tokenised with another tokenizer"
+            )
+        return window, tokens.starts_within(start, start + seq_len)
 
     def cursor(self) -> dict[str, Any]:
         """Epoch number, for information only (the position says everything)."""
@@ -231,7 +253,7 @@ class StreamReader:
         self._buffer = np.concatenate(chunks)
         return True
 
-    def advance(self, keep: bool) -> np.ndarray | None:
+    def advance(self, keep: bool) -> Window | None:
         """Move past global sequence `position`, wrapping (or ending) at the stream's end."""
         seq_len = self.source.seq_len
         start = (self.position - self.epoch_start) * seq_len
@@ -248,10 +270,16 @@ class StreamReader:
             self._open(0, 0)
             return self.advance(keep)
         offset = start - self._buffer_start
-        sequence = self._buffer[offset : offset + seq_len + 1].copy() if keep else None
+        window = None
+        if keep:
+            starts = [s - start for _, s in self._doc_starts if start < s < start + seq_len]
+            window = (
+                self._buffer[offset : offset + seq_len + 1].copy(),
+                np.asarray(starts, dtype=np.int64),
+            )
         self.position += 1
         self._drop_before(start + seq_len)
-        return sequence
+        return window
 
     def _drop_before(self, offset: int) -> None:
         """Forget tokens and documents wholly before epoch-relative token `offset`."""

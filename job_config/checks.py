@@ -34,7 +34,8 @@ def _check_batch_and_data(cfg: JobConfig, problems: Problems) -> None:
             "folder, or the Hugging Face dataset name); or use dataset = 'sample'."
         )
     v = cfg.validation
-    if v.enable and (v.dataset or t.dataset) in ("text", "jsonl", "parquet") and not v.dataset_path:
+    local = ("text", "jsonl", "parquet", "megatron")
+    if v.enable and (v.dataset or t.dataset) in local and not v.dataset_path:
         problems.add(
             f"validation.enable with {v.dataset or t.dataset} files needs "
             "validation.dataset_path: local files have no held-out split, so validating on "

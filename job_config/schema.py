@@ -126,10 +126,16 @@ class LRScheduler:
 
 @dataclass
 class Training:
-    dataset: Literal["sample", "text", "jsonl", "parquet", "huggingface"] = opt(
-        "sample", "Data source: sample (bundled corpus), text, jsonl, parquet, huggingface"
+    dataset: Literal["sample", "text", "jsonl", "parquet", "huggingface", "megatron"] = opt(
+        "sample",
+        "Data source: sample (bundled corpus), text, jsonl, parquet, huggingface, megatron "
+        "(pre-tokenised Megatron .bin/.idx)",
     )
-    dataset_path: str = opt("", "File, glob or folder (text/jsonl/parquet) or HF dataset name")
+    dataset_path: str = opt(
+        "",
+        "File, glob or folder (text/jsonl/parquet), HF dataset name, or megatron prefixes / "
+        ".idx files / folders / globs (comma-separated)",
+    )
     dataset_text_field: str = opt("text", "Field holding the text in jsonl/parquet/HF records")
     local_batch_size: int = opt(8, "Sequences per rank per micro-step", ge=1)
     global_batch_size: int = opt(
@@ -140,7 +146,9 @@ class Training:
     )
     seq_len: int = opt(2048, "Tokens per sequence", ge=2)
     document_mask: bool = opt(
-        False, "Packed documents do not attend to each other (boundaries: end-of-document tokens)"
+        False,
+        "Packed documents do not attend to each other (boundaries: the token files' index, a "
+        "stream's packing)",
     )
     steps: int = opt(10000, "Optimizer steps to train", ge=1)
     max_norm: float = opt(1.0, "Clip gradients to this global L2 norm (0 = no clipping)", ge=0)
@@ -276,7 +284,7 @@ class Profiling:
 @dataclass
 class Validation:
     enable: bool = opt(False, "Evaluate on the held-out split during training")
-    dataset: Literal["", "sample", "text", "jsonl", "parquet", "huggingface"] = opt(
+    dataset: Literal["", "sample", "text", "jsonl", "parquet", "huggingface", "megatron"] = opt(
         "", "Validation data source ('' = validation split of training.dataset)"
     )
     dataset_path: str = opt("", "Validation file/glob/folder or HF name ('' = as training)")

@@ -154,10 +154,10 @@ def next_microbatches(run: Run) -> list[tuple[torch.Tensor, torch.Tensor, dict]]
     coordinates (see training.inputs.sequence_inputs)."""
     micro = []
     for _ in range(run.accum_steps):
-        inputs, labels = next(run.data_iter)
-        inputs = inputs.to(run.device, non_blocking=True)
-        labels = labels.to(run.device, non_blocking=True)
-        micro.append(sequence_inputs(run.setup.split, inputs, labels))
+        inputs, labels, *documents = (
+            t.to(run.device, non_blocking=True) for t in next(run.data_iter)
+        )
+        micro.append(sequence_inputs(run.setup.split, inputs, labels, *documents))
     return micro
 
 

@@ -228,6 +228,7 @@ def build_loaders(cfg: JobConfig, tokenizer, dp_rank: int, dp_degree: int):
         dp_degree=dp_degree,
         text_field=t.dataset_text_field,
         cache_dir=default_cache_dir(),
+        documents=t.document_mask,  # boundaries from the sources' indexes, with each batch
     )
     train_loader = loader(dataset=t.dataset, dataset_path=t.dataset_path, split="train")
     if not cfg.validation.enable:

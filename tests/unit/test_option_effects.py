@@ -546,7 +546,11 @@ EFFECTS: dict[str, Effect] = {
     "training.global_batch_size": Effect(
         "12", lambda c: tuple(batch_sizes(c.cfg, 1)), (12, 3, 384)
     ),
-    "training.document_mask": Effect("true", model_kwargs, ["documents", "positions"]),
+    "training.document_mask": Effect(
+        "true",
+        lambda c: (model_kwargs(c), len(next(iter(build_loaders(c.cfg, tokenizer(c), 0, 1)[0])))),
+        (["documents", "positions"], 3),  # the loader adds the documents from the index
+    ),
     "training.steps": Effect("20", lr_factors, (0.3333, 0.9444, 0.7778, 0.5556)),
     "training.max_norm": Effect("0.5", clipped_norm, 0.5),
     "training.mixed_precision_param": Effect(
