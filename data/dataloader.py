@@ -161,10 +161,13 @@ def build_dataloader(
     cache_dir: str | None = None,
     infinite: bool = True,
     documents: bool = False,
+    shuffle_seed: int | None = None,
 ) -> DPDataLoader:
     """Returns an iterable with state_dict()/load_state_dict(); each item is (input_ids, labels),
     both torch.long tensors of shape [local_batch_size, seq_len] (on CPU), and with `documents`
-    their document indices (int32, same shape; see DPDataLoader).
+    their document indices (int32, same shape; see DPDataLoader). `shuffle_seed`: read each
+    epoch's sequences in that seed's order (`data/shuffle.py`); sources without random access
+    (streamed datasets) refuse it.
 
     `dataset` is one of SUPPORTED_DATASETS; "megatron" reads pre-tokenised indexed datasets
     (`dataset_path`: prefixes, .idx files, folders or globs, comma-separated). For "sample" `dataset_path` is ignored and `split`
@@ -189,6 +192,14 @@ def build_dataloader(
         text_field=text_field,
         cache_dir=cache_dir or default_cache_dir(),
     )
+    if shuffle_seed is not None:
+        if not isinstance(source, PackedTokens):
+            raise ValueError(
+                f"{source.name} is streamed, so its sequences cannot be read in a shuffled "
+                "order; set training.shuffle = false for it"
+            )
+        source.shuffle_seed = shuffle_seed
+        source.fingerprint += f":shuffle{shuffle_seed}"
     global_batch = local_batch_size * dp_degree
     if not infinite and isinstance(source, PackedTokens) and source.num_sequences < global_batch:
         logger.warning(

@@ -10,7 +10,9 @@ Stream definition (the same for every source and every data-parallel layout):
   token (the last label of sequence i is the first input of sequence i+1), so every token after
   the first is predicted exactly once per epoch. Trailing tokens that do not fill a sequence
   are dropped;
-- epochs repeat the same stream; global sequence index `g` runs on across epochs.
+- epochs repeat the same stream; global sequence index `g` runs on across epochs;
+- with a shuffle seed (random-access sources: token files), position `i` of epoch `e` reads
+  sequence `permuted(i, count, seed, e)` instead of sequence `i` (`data/shuffle.py`).
 
 File sources are tokenised once into the cache as a Megatron indexed dataset
 (`tokens/<key>.bin` + `.idx`, uint16 when the vocabulary fits, else int32, one document per
@@ -41,6 +43,7 @@ import numpy as np
 
 from data.cache import build_once
 from data.indexed import TokenStream, open_indexed, token_dtype, write_indexed
+from data.shuffle import permuted
 from data.tokenizer import Tokenizer
 
 logger = logging.getLogger("meshtrain")
@@ -139,6 +142,7 @@ class PackedTokens:
     name: str
     fingerprint: str
     vocab_size: int | None = None  # set: every kept window is checked to lie below it
+    shuffle_seed: int | None = None  # set: each epoch reads its sequences in a seeded order
 
     def __post_init__(self) -> None:
         self.num_sequences = (len(self.tokens) - 1) // self.seq_len
@@ -170,6 +174,8 @@ class PackedReader:
         if not keep:
             return None
         seq_len, tokens = self.packed.seq_len, self.packed.tokens
+        if self.packed.shuffle_seed is not None:
+            index = permuted(index, self.packed.num_sequences, self.packed.shuffle_seed, epoch)
         start = index * seq_len
         window = tokens.slice(start, start + seq_len + 1)
         vocab = self.packed.vocab_size

@@ -33,6 +33,12 @@ def _check_batch_and_data(cfg: JobConfig, problems: Problems) -> None:
             f"training.dataset = '{t.dataset}' needs training.dataset_path (a file, glob or "
             "folder, or the Hugging Face dataset name); or use dataset = 'sample'."
         )
+    if t.shuffle and t.dataset == "huggingface":
+        problems.add(
+            "training.shuffle = true needs random access to the sequences, but training.dataset "
+            "= 'huggingface' is streamed: set training.shuffle = false (or pre-tokenise the "
+            "dataset and read it as dataset = 'megatron')."
+        )
     v = cfg.validation
     local = ("text", "jsonl", "parquet", "megatron")
     if v.enable and (v.dataset or t.dataset) in local and not v.dataset_path:

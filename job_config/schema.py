@@ -137,6 +137,12 @@ class Training:
         ".idx files / folders / globs (comma-separated)",
     )
     dataset_text_field: str = opt("text", "Field holding the text in jsonl/parquet/HF records")
+    shuffle: bool = opt(
+        True,
+        "Read each epoch's sequences in a seeded order (data/shuffle.py; the same on every "
+        "layout, O(1) per sequence); false = the corpus order. Streamed datasets need false",
+    )
+    shuffle_seed: int = opt(0, "Seed of the shuffled order (each epoch its own order)", ge=0)
     local_batch_size: int = opt(8, "Sequences per rank per micro-step", ge=1)
     global_batch_size: int = opt(
         -1,

@@ -230,7 +230,12 @@ def build_loaders(cfg: JobConfig, tokenizer, dp_rank: int, dp_degree: int):
         cache_dir=default_cache_dir(),
         documents=t.document_mask,  # boundaries from the sources' indexes, with each batch
     )
-    train_loader = loader(dataset=t.dataset, dataset_path=t.dataset_path, split="train")
+    train_loader = loader(
+        dataset=t.dataset,
+        dataset_path=t.dataset_path,
+        split="train",
+        shuffle_seed=t.shuffle_seed if t.shuffle else None,
+    )
     if not cfg.validation.enable:
         return train_loader, None
     v = cfg.validation

@@ -93,7 +93,9 @@ def test_two_rank_run_learns_and_writes_every_output(tmp_path):
     assert train[-1]["lr"] == pytest.approx(3e-4)
     first, last = train[0]["loss"], sum(r["loss"] for r in train[-3:]) / 3
     assert 7.5 < first < 10.0  # about ln(4096) = 8.3 at init
-    assert last < first - 1.0, (first, last)
+    # shuffled windows (training.shuffle, the default) are more varied than consecutive ones:
+    # 20 steps take ~0.9 off the loss (~1.5 in corpus order)
+    assert last < first - 0.6, (first, last)
     val = records(dump, "validation")
     assert [r["step"] for r in val] == [10, 20]
     assert val[1]["loss"] < val[0]["loss"]

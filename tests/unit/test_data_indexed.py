@@ -196,7 +196,8 @@ def test_config_reads_megatron_and_infers_it_from_the_suffix(corpus, tokenizer, 
     """`training.dataset = megatron` reaches the loader the trainer builds; a .idx path alone
     selects it; a path naming no corpus is refused before any process group."""
     base = ["--model.tokenizer_path", tokenizer.path, "--training.seq_len", str(SEQ_LEN),
-            "--training.local_batch_size", "2", "--job.dump_folder", str(tmp_path)]  # fmt: skip
+            "--training.local_batch_size", "2", "--training.shuffle", "false",
+            "--job.dump_folder", str(tmp_path)]  # fmt: skip
     stream = [t for d in DOCS_A + DOCS_B for t in d]
     for extra in (["--training.dataset", "megatron", "--training.dataset_path", str(corpus)],
                   ["--training.dataset_path", f"{corpus}/a.idx"]):  # fmt: skip

@@ -39,6 +39,7 @@ from dist_utils import TINY_SHAPE, fake_world
 from torch.distributed.checkpoint import FileSystemReader
 
 from checkpoint.state import COMPONENTS
+from data.shuffle import permuted
 from job_config import JobConfig, parse_args
 from job_config.schema import config_sections
 from metrics.layout_record import _rank_view
@@ -125,10 +126,12 @@ class Case:
 
 def base_argv(files: dict[str, str], dump: Path) -> list[str]:
     """The tiny run every probe starts from: 2 layers of width 64, the byte tokenizer,
-    sequences of 32 tokens from `docs`, 10 steps with 2 of warmup."""
+    sequences of 32 tokens from `docs` in corpus order (unshuffled), 10 steps with 2 of
+    warmup."""
     return [*TINY_SHAPE, "--model.tokenizer_path", files["tok"], "--training.seq_len", "32",
             "--training.local_batch_size", "4", "--training.steps", "10",
             "--training.dataset", "jsonl", "--training.dataset_path", files["docs"],
+            "--training.shuffle", "false",
             "--lr_scheduler.warmup_steps", "2", "--job.dump_folder", str(dump)]  # fmt: skip
 
 
@@ -279,6 +282,13 @@ def batch(case: Case, split: str = "train") -> tuple:
     train_loader, val_loader = build_loaders(case.cfg, tokenizer(case), 0, 1)
     inputs, _ = next(iter(train_loader if split == "train" else val_loader))
     return tuple(inputs.shape), inputs[0, :12].tolist()
+
+
+def shuffled_row(seed: int) -> list[int]:
+    """The first 12 ids of the first sequence of `docs` in the seed's epoch-0 order."""
+    tokens = stream(DOCS)
+    first = permuted(0, (len(tokens) - 1) // 32, seed, 0)
+    return tokens[first * 32 : first * 32 + 12]
 
 
 def model_kwargs(case: Case) -> list[str]:
@@ -541,6 +551,10 @@ EFFECTS: dict[str, Effect] = {
         "{docs2}", batch, ((4, 32), stream([d[::-1] for d in DOCS])[:12])
     ),
     "training.dataset_text_field": Effect("body", batch, ((4, 32), stream(BODIES)[:12])),
+    "training.shuffle": Effect("true", batch, lambda c: ((4, 32), shuffled_row(0))),
+    "training.shuffle_seed": Effect(
+        "7", batch, lambda c: ((4, 32), shuffled_row(7)), ("--training.shuffle", "true")
+    ),
     "training.local_batch_size": Effect("2", lambda c: batch(c)[0], (2, 32)),
     "training.seq_len": Effect("16", lambda c: batch(c)[0], (4, 16)),
     "training.global_batch_size": Effect(
