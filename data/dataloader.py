@@ -25,6 +25,7 @@ be identical and any one of them is used.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -45,6 +46,7 @@ from data.dataset import (
     file_identity,
 )
 from data.indexed import TokenStream, open_indexed, read_meta, resolve_prefixes
+from data.mixture import MixtureSource, parse_mixture
 from data.sample_corpus import ensure_sample_corpus
 from data.sources import FILE_EXTENSIONS, iter_documents, open_hf_stream, resolve_files
 from data.tokenizer import Tokenizer, build_tokenizer
@@ -111,6 +113,12 @@ class DPDataLoader:
             starts[row, within] = 1
         return inputs, labels, torch.from_numpy(np.cumsum(starts, axis=1, dtype=np.int32))
 
+    def source_tokens(self) -> dict[str, int]:
+        """A mixture's input tokens taken from each source so far, over all ranks
+        (`tokens_mix<i>`); {} for a single dataset."""
+        counts = getattr(self._reader, "source_sequences", dict)()
+        return {f"tokens_{label}": n * self.source.seq_len for label, n in counts.items()}
+
     def state_dict(self) -> dict[str, Any]:
         """The global position (the same on every rank)."""
         return {
@@ -162,12 +170,15 @@ def build_dataloader(
     infinite: bool = True,
     documents: bool = False,
     shuffle_seed: int | None = None,
+    mixture: list[str] | None = None,
 ) -> DPDataLoader:
     """Returns an iterable with state_dict()/load_state_dict(); each item is (input_ids, labels),
     both torch.long tensors of shape [local_batch_size, seq_len] (on CPU), and with `documents`
     their document indices (int32, same shape; see DPDataLoader). `shuffle_seed`: read each
     epoch's sequences in that seed's order (`data/shuffle.py`); sources without random access
-    (streamed datasets) refuse it.
+    (streamed datasets) refuse it. `mixture`: `KIND:PATH:WEIGHT` entries blended by weight
+    (`data/mixture.py`) instead of `dataset`/`dataset_path`; source i is shuffled with
+    `shuffle_seed + i`.
 
     `dataset` is one of SUPPORTED_DATASETS; "megatron" reads pre-tokenised indexed datasets
     (`dataset_path`: prefixes, .idx files, folders or globs, comma-separated). For "sample" `dataset_path` is ignored and `split`
@@ -183,23 +194,23 @@ def build_dataloader(
         )
     if isinstance(tokenizer, str):
         tokenizer = build_tokenizer(tokenizer)
-    source = build_source(
-        dataset=dataset,
-        dataset_path=dataset_path,
+    build = functools.partial(
+        build_source,
         tokenizer=tokenizer,
         seq_len=seq_len,
         split=split,
         text_field=text_field,
         cache_dir=cache_dir or default_cache_dir(),
     )
-    if shuffle_seed is not None:
-        if not isinstance(source, PackedTokens):
-            raise ValueError(
-                f"{source.name} is streamed, so its sequences cannot be read in a shuffled "
-                "order; set training.shuffle = false for it"
-            )
-        source.shuffle_seed = shuffle_seed
-        source.fingerprint += f":shuffle{shuffle_seed}"
+    if mixture:
+        entries = parse_mixture(mixture)
+        parts = [build(dataset=kind, dataset_path=path) for kind, path, _ in entries]
+        for i, part in enumerate(parts):
+            _shuffle(part, None if shuffle_seed is None else shuffle_seed + i)
+        labels = [f"mix{i}" for i in range(len(parts))]
+        source = MixtureSource(parts, [w for *_, w in entries], labels)
+    else:
+        source = _shuffle(build(dataset=dataset, dataset_path=dataset_path), shuffle_seed)
     global_batch = local_batch_size * dp_degree
     if not infinite and isinstance(source, PackedTokens) and source.num_sequences < global_batch:
         logger.warning(
@@ -280,6 +291,20 @@ def _packed_files(
         name=name,
     )
     return PackedTokens(tokens, seq_len, name, fingerprint=f"{name}:{key}")
+
+
+def _shuffle(source: SequenceSource, seed: int | None) -> SequenceSource:
+    """The source, set to read its epochs in the seed's order (None: in corpus order)."""
+    if seed is None:
+        return source
+    if not isinstance(source, PackedTokens):
+        raise ValueError(
+            f"{source.name} is streamed, so its sequences cannot be read in a shuffled "
+            "order; set training.shuffle = false for it"
+        )
+    source.shuffle_seed = seed
+    source.fingerprint += f":shuffle{seed}"
+    return source
 
 
 def indexed_corpus(dataset_path: str, tokenizer: Tokenizer, seq_len: int) -> PackedTokens:

@@ -28,12 +28,31 @@ def _check_batch_and_data(cfg: JobConfig, problems: Problems) -> None:
             f"training.global_batch_size = {t.global_batch_size} must be a multiple of "
             f"training.local_batch_size = {t.local_batch_size} (or -1)."
         )
-    if t.dataset != "sample" and not t.dataset_path:
+    if t.dataset != "sample" and not t.dataset_path and not t.mixture:
         problems.add(
             f"training.dataset = '{t.dataset}' needs training.dataset_path (a file, glob or "
             "folder, or the Hugging Face dataset name); or use dataset = 'sample'."
         )
-    if t.shuffle and t.dataset == "huggingface":
+    kinds = {t.dataset}
+    if t.mixture:
+        from data.dataloader import SUPPORTED_DATASETS
+        from data.mixture import parse_mixture
+
+        try:
+            kinds = {kind for kind, _, _ in parse_mixture(t.mixture)}
+        except ValueError as e:
+            problems.add(f"training.mixture: {e}.")
+        if not kinds <= set(SUPPORTED_DATASETS):
+            problems.add(
+                f"training.mixture names unknown dataset kinds {sorted(kinds - set(SUPPORTED_DATASETS))}"
+                f"; choose from {', '.join(SUPPORTED_DATASETS)}."
+            )
+        if cfg.validation.enable and not cfg.validation.dataset:
+            problems.add(
+                "validation.enable with training.mixture needs validation.dataset (and its "
+                "dataset_path): a mixture has no one held-out split."
+            )
+    if t.shuffle and "huggingface" in kinds:
         problems.add(
             "training.shuffle = true needs random access to the sequences, but training.dataset "
             "= 'huggingface' is streamed: set training.shuffle = false (or pre-tokenise the "

@@ -137,6 +137,12 @@ class Training:
         ".idx files / folders / globs (comma-separated)",
     )
     dataset_text_field: str = opt("text", "Field holding the text in jsonl/parquet/HF records")
+    mixture: list[str] = opt(
+        [],
+        "Weighted mixture instead of dataset/dataset_path: KIND:PATH:WEIGHT entries, e.g. "
+        "['megatron:/data/web:0.7', 'jsonl:/data/code:0.3'] (data/mixture.py); per-source "
+        "tokens in metrics.jsonl as tokens_mix<i>",
+    )
     shuffle: bool = opt(
         True,
         "Read each epoch's sequences in a seeded order (data/shuffle.py; the same on every "

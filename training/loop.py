@@ -116,6 +116,7 @@ class Run:
     phases: PhaseTimer
     rss_before_model: float | None  # CPU: the process's peak RSS before the model existed
     routing: object | None = None  # models.RoutingHooks of an MoE family
+    train_loader: object | None = None  # data.dataloader.DPDataLoader (data_iter's loader)
     # derived from the above:
     params: list[torch.Tensor] = field(init=False)  # this rank's, for the gradient-norm clip
     pp_group: dist.ProcessGroup | None = field(init=False)  # the norm's sum over the stages
@@ -222,6 +223,7 @@ def log_window(run: Run, loss: torch.Tensor, grad_norm: torch.Tensor, step_lr: f
         "data_time_s": window.data / window.steps,
         **{f"{k}_time_s": v for k, v in run.phases.pop().items()},
         "tokens_seen": run.state.tokens_seen,
+        **getattr(run.train_loader, "source_tokens", dict)(),  # a mixture: tokens per source
     }
     if run.cfg.compile.enable and step == run.first_step:
         record["compile_time_s"] = record["step_time_s"]  # not a steady-state step

@@ -235,6 +235,7 @@ def build_loaders(cfg: JobConfig, tokenizer, dp_rank: int, dp_degree: int):
         dataset_path=t.dataset_path,
         split="train",
         shuffle_seed=t.shuffle_seed if t.shuffle else None,
+        mixture=t.mixture,
     )
     if not cfg.validation.enable:
         return train_loader, None
@@ -376,6 +377,7 @@ def build_run(cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, local_r
         optimizer=optimizer,
         lr_scheduler=lr_scheduler,
         data_iter=iter(train_loader),
+        train_loader=train_loader,
         val_loader=val_loader,
         checkpointer=checkpointer,
         state=state,

@@ -291,3 +291,20 @@ def test_megatron_corpus_trains_with_boundaries_from_its_index(tmp_path):
     first, last = train[0]["loss"], sum(r["loss"] for r in train[-3:]) / 3
     assert 7.5 < first < 10.0 and last < first - 2.0, (first, last)
     assert "training.dataset = 'megatron' inferred" in (dump / "logs/rank_0.log").read_text()
+
+
+def test_mixture_logs_each_source_s_tokens(tmp_path):
+    """A 3:1 mixture of two Megatron corpora: metrics.jsonl holds each source's tokens so
+    far, which add up to tokens_seen and follow the weights at every step."""
+    from megatron_files import documents, write_megatron
+
+    for name, seed in (("web", 1), ("code", 2)):
+        write_megatron(tmp_path / name, documents(300, seed, vocab=4000))
+    dump = tmp_path / "run"
+    mixture = f'["megatron:{tmp_path / "web"}:3", "megatron:{tmp_path / "code"}:1"]'
+    out = launch(dump, "--training.mixture", mixture, "--training.steps", "4",
+                 "--validation.enable", "false")  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    for r in records(dump):  # 4 sequences of 32 tokens a step: 3 from web, 1 from code
+        assert r["tokens_mix0"] + r["tokens_mix1"] == r["tokens_seen"]
+        assert (r["tokens_mix0"], r["tokens_mix1"]) == (96 * r["step"], 32 * r["step"])

@@ -551,6 +551,13 @@ EFFECTS: dict[str, Effect] = {
         "{docs2}", batch, ((4, 32), stream([d[::-1] for d in DOCS])[:12])
     ),
     "training.dataset_text_field": Effect("body", batch, ((4, 32), stream(BODIES)[:12])),
+    # a mixture weighted 1:3 starts with docs2's (its share is the furthest behind)
+    "training.mixture": Effect(
+        '["jsonl:{docs}:1", "jsonl:{docs2}:3"]',
+        batch,
+        ((4, 32), stream([d[::-1] for d in DOCS])[:12]),
+        ("--training.dataset", "sample", "--training.dataset_path", ""),
+    ),
     "training.shuffle": Effect("true", batch, lambda c: ((4, 32), shuffled_row(0))),
     "training.shuffle_seed": Effect(
         "7", batch, lambda c: ((4, 32), shuffled_row(7)), ("--training.shuffle", "true")
