@@ -95,13 +95,24 @@ class DPDataLoader:
         self._reader = self.source.reader(0, {}, self.infinite)  # finite pass done: rewind
 
     def _next_batch(self) -> Batch | None:
-        """Walk one global batch, keeping this rank's rows; None when a finite pass ends."""
+        """This rank's rows of the next global batch; None when a finite pass ends. A
+        random-access source is read at this rank's rows only (the cost per rank does not grow
+        with DP); a streamed one is walked through every row of the global batch."""
         rows = []
+        size = self.local_batch_size * self.dp_degree
         try:
-            for k in range(self.local_batch_size * self.dp_degree):
-                row = self._reader.advance(keep=k % self.dp_degree == self.dp_rank)
-                if row is not None:
-                    rows.append(row)
+            if getattr(self.source, "random_access", False):
+                start = self._reader.position
+                if not self.infinite:  # a finite pass drops its last incomplete global batch
+                    self.source.window(start + size - 1, False)
+                mine = range(start + self.dp_rank, start + size, self.dp_degree)
+                rows = [self.source.window(g, self.infinite) for g in mine]
+                self._reader.position = start + size
+            else:
+                for k in range(size):
+                    row = self._reader.advance(keep=k % self.dp_degree == self.dp_rank)
+                    if row is not None:
+                        rows.append(row)
         except EndOfEpoch:
             return None
         sequences = torch.from_numpy(np.stack([tokens for tokens, _ in rows]).astype(np.int64))

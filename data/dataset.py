@@ -152,43 +152,50 @@ class PackedTokens:
                 f"{self.seq_len + 1}; use a smaller seq_len or more data"
             )
 
-    def reader(self, position: int, cursor: dict[str, Any], infinite: bool) -> PackedReader:
+    random_access = True  # window(g) of any g in O(1): a DP rank reads only its own rows
+
+    def reader(self, position: int, cursor: dict[str, Any], infinite: bool) -> PositionReader:
         """A reader at global sequence `position` (no cursor needed: access is random)."""
-        return PackedReader(self, position, infinite)
+        return PositionReader(self, position, infinite)
+
+    def window(self, position: int, infinite: bool) -> Window:
+        """Global sequence `position`; EndOfEpoch past epoch 0 if not `infinite`."""
+        epoch, index = divmod(position, self.num_sequences)
+        if epoch > 0 and not infinite:
+            raise EndOfEpoch
+        if index == 0 and epoch > 0:
+            logger.info("dataset %s: starting epoch %d", self.name, epoch)
+        if self.shuffle_seed is not None:
+            index = permuted(index, self.num_sequences, self.shuffle_seed, epoch)
+        start = index * self.seq_len
+        window = self.tokens.slice(start, start + self.seq_len + 1)
+        vocab = self.vocab_size
+        if vocab is not None and len(window) and (window.max() >= vocab or window.min() < 0):
+            raise ValueError(
+                f"{self.name}: sequence {index} holds token ids outside the tokenizer's "
+                f"vocabulary [0, {vocab}); the corpus was tokenised with another tokenizer"
+            )
+        return window, self.tokens.starts_within(start, start + self.seq_len)
 
 
-class PackedReader:
-    """Walks the global stream of a PackedTokens, wrapping epochs if infinite."""
+class PositionReader:
+    """Walks the global stream of a random-access source (`window(g)`): the position is all
+    its state."""
 
-    def __init__(self, packed: PackedTokens, position: int, infinite: bool) -> None:
-        self.packed, self.position, self.infinite = packed, position, infinite
+    def __init__(self, source: Any, position: int, infinite: bool) -> None:
+        self.source, self.position, self.infinite = source, position, infinite
 
     def advance(self, keep: bool) -> Window | None:
         """Move past global sequence `position`; raise EndOfEpoch after epoch 0 if finite."""
-        epoch, index = divmod(self.position, self.packed.num_sequences)
-        if epoch > 0 and not self.infinite:
-            raise EndOfEpoch
-        if index == 0 and epoch > 0:
-            logger.info("dataset %s: starting epoch %d", self.packed.name, epoch)
+        window = self.source.window(self.position, self.infinite) if keep else None
+        if not keep and not self.infinite:
+            self.source.window(self.position, False)  # raises at the end of epoch 0
         self.position += 1
-        if not keep:
-            return None
-        seq_len, tokens = self.packed.seq_len, self.packed.tokens
-        if self.packed.shuffle_seed is not None:
-            index = permuted(index, self.packed.num_sequences, self.packed.shuffle_seed, epoch)
-        start = index * seq_len
-        window = tokens.slice(start, start + seq_len + 1)
-        vocab = self.packed.vocab_size
-        if vocab is not None and len(window) and (window.max() >= vocab or window.min() < 0):
-            raise ValueError(
-                f"{self.packed.name}: sequence {index} holds token ids outside the tokenizer's "
-                f"vocabulary [0, {vocab}); the corpus was tokenised with another tokenizer"
-            )
-        return window, tokens.starts_within(start, start + seq_len)
+        return window
 
     def cursor(self) -> dict[str, Any]:
-        """Epoch number, for information only (the position says everything)."""
-        return {"epoch": self.position // self.packed.num_sequences}
+        """Nothing beyond the position."""
+        return {}
 
 
 # ----------------------------------------------------------------------- streaming sources

@@ -9,7 +9,7 @@ from megatron_files import documents, write_megatron
 from test_data_loader import byte_tokenizer, rows, take
 
 from data.dataloader import build_dataloader
-from data.mixture import parse_mixture
+from data.mixture import blend_period, integer_weights, parse_mixture
 from data.tokenizer import Tokenizer
 from job_config import parse_args
 from job_config.loader import ConfigError
@@ -139,3 +139,52 @@ def test_config_checks(tmp_path):
         parse_args(["--training.mixture", '["jsonl:/x:1", "huggingface:c4:1"]'])
     with pytest.raises(ConfigError, match="needs validation.dataset"):
         parse_args(["--training.mixture", '["jsonl:/x:1"]', "--validation.enable", "true"])
+
+
+def test_float_weights_and_the_period():
+    """Float weights become shares of 65536; the tabulated period equals the greedy rule run
+    on, so s(g) and n_s(g) are O(1) for any g."""
+    ints = integer_weights([0.7, 0.2, 0.1])
+    assert sum(ints) == 2**16 and abs(ints[0] / 2**16 - 0.7) < 1e-4
+    assert integer_weights([4, 2, 2]) == [2, 1, 1]
+    choice, counts = blend_period([2, 1, 1])
+    assert choice.tolist() == greedy((2, 1, 1), 4)
+    assert counts[-1].tolist() == [2, 1, 1]
+
+
+def test_a_streamed_source_is_walked_and_resumes(tokenizer, corpora, tmp_path):
+    """A mixture with a streamed (huggingface) source: the same rows on dp 1 and 2, and a
+    resume from the saved cursor continues exactly."""
+    (tmp_path / "train.jsonl").write_text(
+        "".join(json.dumps({"text": f"doc {i} " * (i % 5 + 1)}) + "\n" for i in range(60))
+    )
+    entries = [f"megatron:{corpora['a']}:1", f"huggingface:{tmp_path}:1"]
+    make = lambda batch, rank=0, dp=1: build_dataloader(  # noqa: E731
+        dataset="",
+        dataset_path="",
+        tokenizer=tokenizer,
+        seq_len=SEQ_LEN,
+        cache_dir=str(tmp_path / "c"),
+        local_batch_size=batch,
+        dp_rank=rank,
+        dp_degree=dp,
+        mixture=entries,
+    )
+    reference = [rows(b) for b in take(make(4), 6)]
+    ranks = [make(2, r, 2) for r in range(2)]
+    for step, pair in enumerate(zip(*[take(d, 3) for d in ranks])):
+        assert [rows(b) for b in pair] == [reference[step][0::2], reference[step][1::2]]
+    resumed = make(4)
+    resumed.load_state_dict(json.loads(json.dumps(ranks[0].state_dict())))
+    assert [rows(b) for b in take(resumed, 3)] == reference[3:]
+
+
+def test_a_rank_reads_only_its_own_rows(tokenizer, corpora):
+    """Random-access sources: at DP 64 a rank reads its 2 rows of each global batch, not 128."""
+    data = loader(tokenizer, corpora, batch=2, rank=5, dp=64)
+    calls = []
+    for part in data.source.sources:
+        original = part.window
+        part.window = lambda g, inf, original=original: calls.append(g) or original(g, inf)
+    take(data, 3)
+    assert len(calls) == 6
