@@ -223,7 +223,7 @@ def log_window(run: Run, loss: torch.Tensor, grad_norm: torch.Tensor, step_lr: f
         "data_time_s": window.data / window.steps,
         **{f"{k}_time_s": v for k, v in run.phases.pop().items()},
         "tokens_seen": run.state.tokens_seen,
-        **getattr(run.train_loader, "source_tokens", dict)(),  # a mixture: tokens per source
+        **getattr(getattr(run, "train_loader", None), "source_tokens", dict)(),  # a mixture
     }
     if run.cfg.compile.enable and step == run.first_step:
         record["compile_time_s"] = record["step_time_s"]  # not a steady-state step
