@@ -148,7 +148,9 @@ def open_indexed(prefix: str) -> IndexedFile:
         )
     tokens = np.memmap(bin_path, dtype=dtype, mode="r") if total else np.zeros(0, dtype)
     seq_starts = pointers // dtype.itemsize
-    starts = np.unique(seq_starts[doc_index[:-1][doc_index[:-1] < sequences]])
+    starts = seq_starts[doc_index[:-1][doc_index[:-1] < sequences]]  # ascending (checked)
+    if len(starts) > 1:  # empty documents share their start with the next: keep one
+        starts = starts[np.concatenate([[True], starts[1:] != starts[:-1]])]
     return IndexedFile(prefix, tokens, starts.astype(np.int64))
 
 

@@ -212,3 +212,9 @@ def test_config_reads_megatron_and_infers_it_from_the_suffix(corpus, tokenizer, 
         parse_args(
             base + ["--training.dataset_path", f"{corpus}/a.idx", "--validation.enable", "true"]
         )
+
+
+def test_empty_documents_have_no_boundary_of_their_own(tmp_path):
+    write_megatron(tmp_path / "e", [[1, 2], [], [3], [], [], [4, 5]], sentences=True)
+    file = open_indexed(str(tmp_path / "e"))
+    assert file.tokens.tolist() == [1, 2, 3, 4, 5] and file.doc_starts.tolist() == [0, 2, 3]
