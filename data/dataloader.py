@@ -300,6 +300,7 @@ def _packed_files(
         tokenizer=tokenizer,
         cache_dir=cache_dir,
         name=name,
+        input_bytes=sum(size for _, size, _ in identity["files"]),
     )
     return PackedTokens(tokens, seq_len, name, fingerprint=f"{name}:{key}")
 

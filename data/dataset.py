@@ -32,7 +32,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import multiprocessing
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from itertools import islice
@@ -97,9 +99,14 @@ def cached_token_file(
     tokenizer: Tokenizer,
     cache_dir: str,
     name: str,
+    input_bytes: int = 0,
 ) -> tuple[TokenStream, str]:
     """Tokenise the documents into the cache once, as a Megatron indexed dataset; return
-    (its memory-mapped token stream with document boundaries, cache key)."""
+    (its memory-mapped token stream with document boundaries, cache key).
+
+    Inputs of PARALLEL_BYTES or more are tokenised by a pool of one process per core (batches
+    of documents in order, so the file is the same as one process writes); progress is logged
+    every PROGRESS_S seconds; above PIPELINE_BYTES the log points to scripts/pretokenize.py."""
     identity = {"version": _TOKEN_CACHE_VERSION, "tokenizer": tokenizer.fingerprint, **identity}
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
     prefix = Path(cache_dir) / "tokens" / key
@@ -108,13 +115,30 @@ def cached_token_file(
 
     def encoded() -> Iterator[np.ndarray]:
         docs = (doc for doc in documents() if doc)
-        while batch := list(islice(docs, _ENCODE_BATCH)):
-            yield from (
-                np.asarray(i, dtype=dtype) for i in tokenizer.encode_batch(batch, True, True)
-            )
+        batches = iter(lambda: list(islice(docs, _ENCODE_BATCH)), [])
+        workers = len(os.sched_getaffinity(0)) if input_bytes >= PARALLEL_BYTES else 1
+        progress = _Progress(name, input_bytes, workers)
+        if workers == 1:
+            encoded_batches = (tokenizer.encode_batch(b, True, True) for b in batches)
+            for ids in encoded_batches:
+                yield from progress.count(np.asarray(i, dtype=dtype) for i in ids)
+            return
+        context = multiprocessing.get_context("spawn")  # no fork of a rank's threads
+        with context.Pool(workers, _init_worker, (tokenizer.path,)) as pool:
+            for ids in pool.imap(_encode_worker, batches, chunksize=4):
+                yield from progress.count(np.asarray(i, dtype=dtype) for i in ids)
 
     def build(temps: list[Path]) -> None:
         logger.info("tokenising %s into %s (once; other ranks wait)", name, targets[0])
+        if input_bytes >= PIPELINE_BYTES:
+            logger.warning(
+                "%s holds %.1f GB of text: tokenising it at start-up takes long and is redone "
+                "whenever the files change; pre-tokenise it once with scripts/pretokenize.py "
+                "(all cores or a SLURM job array) and train on the output with "
+                "training.dataset = 'megatron'",
+                name,
+                input_bytes / 1e9,
+            )
         num_docs, num_tokens = write_indexed(temps[0], temps[1], encoded(), dtype)
         if num_tokens == 0:
             raise ValueError(f"{name} contains no non-empty documents")
@@ -125,6 +149,50 @@ def cached_token_file(
     build_once(targets, build)
     file = open_indexed(str(prefix))
     return TokenStream([file.tokens], [file.doc_starts]), key
+
+
+PARALLEL_BYTES = 16 * 2**20  # first-use tokenisation of at least this much text uses every core
+PIPELINE_BYTES = 2 * 2**30  # above this much text the log points to the pipeline
+PROGRESS_S = 10.0
+_WORKER_TOKENIZER: list[Tokenizer] = []
+
+
+def _init_worker(path: str) -> None:
+    from data.tokenizer import build_tokenizer
+
+    _WORKER_TOKENIZER[:] = [build_tokenizer(path)]
+
+
+def _encode_worker(batch: list[str]) -> list[list[int]]:
+    return _WORKER_TOKENIZER[0].encode_batch(batch, True, True)
+
+
+class _Progress:
+    """Logs documents and tokens done (and the input's size) every PROGRESS_S seconds."""
+
+    def __init__(self, name: str, input_bytes: int, workers: int) -> None:
+        self.name, self.input_bytes, self.workers = name, input_bytes, workers
+        self.docs = self.tokens = 0
+        self.start = self.last = time.monotonic()
+
+    def count(self, arrays: Iterable[np.ndarray]) -> Iterator[np.ndarray]:
+        for array in arrays:
+            self.docs += 1
+            self.tokens += len(array)
+            yield array
+        now = time.monotonic()
+        if now - self.last >= PROGRESS_S:
+            self.last = now
+            logger.info(
+                "tokenising %s (%d processes, %.0f MB of text): %d documents, %d tokens, "
+                "%.0f tokens/s",
+                self.name,
+                self.workers,
+                self.input_bytes / 1e6,
+                self.docs,
+                self.tokens,
+                self.tokens / (now - self.start),
+            )
 
 
 def file_identity(files: list[str]) -> list[list[Any]]:

@@ -101,3 +101,35 @@ def test_bundled_corpus_equals_the_first_use_tokenisation(tmp_path):
     a, b = open_indexed(str(cached.with_suffix(""))), open_indexed(str(output / "00000"))
     assert np.array_equal(a.tokens, b.tokens) and np.array_equal(a.doc_starts, b.doc_starts)
     assert first_use.source.num_sequences > 1000
+
+
+def test_first_use_tokenisation_on_every_core_logs_progress_and_points_to_the_pipeline(
+    tmp_path, monkeypatch, caplog
+):
+    """With the size thresholds at 0 the trainer's first-use cache is built by the process
+    pool (2 workers here): the same files as one process writes, progress lines, and the
+    pointer to the pipeline."""
+    import data.dataset as dataset
+
+    tokenizer = build_tokenizer(ensure_sample_tokenizer(default_cache_dir()))
+    docs = [f"doc {i} " + "xy " * (i % 11) for i in range(600)]  # 3 batches of 256
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+
+    def load(cache: str):
+        return build_dataloader(dataset="jsonl", dataset_path=str(tmp_path / "d.jsonl"),
+                                tokenizer=tokenizer, seq_len=16, local_batch_size=2, dp_rank=0,
+                                dp_degree=1, cache_dir=str(tmp_path / cache))  # fmt: skip
+
+    serial = load("a")
+    monkeypatch.setattr(dataset, "PARALLEL_BYTES", 0)
+    monkeypatch.setattr(dataset, "PIPELINE_BYTES", 0)
+    monkeypatch.setattr(dataset, "PROGRESS_S", 0.0)
+    monkeypatch.setattr(dataset.os, "sched_getaffinity", lambda pid: {0, 1})
+    with caplog.at_level("INFO", logger="meshtrain"):
+        pooled = load("b")
+    assert "(2 processes" in caplog.text and "scripts/pretokenize.py" in caplog.text
+    files = [sorted((tmp_path / d / "tokens").glob("*.[bi][id][nx]")) for d in "ab"]
+    assert [p.suffix for p in files[0]] == [".bin", ".idx"]
+    for a, b in zip(*files):
+        assert a.read_bytes() == b.read_bytes(), a.name
+    assert next(iter(serial))[0].tolist() == next(iter(pooled))[0].tolist()
