@@ -556,7 +556,15 @@ EFFECTS: dict[str, Effect] = {
         '["jsonl:{docs}:1", "jsonl:{docs2}:3"]',
         batch,
         ((4, 32), stream([d[::-1] for d in DOCS])[:12]),
-        ("--training.dataset", "sample", "--training.dataset_path", ""),
+        # the base: a mixture of docs alone (no dataset_path beside a mixture)
+        (
+            "--training.dataset",
+            "sample",
+            "--training.dataset_path",
+            "",
+            "--training.mixture",
+            '["jsonl:{docs}:1"]',
+        ),  # fmt: skip
     ),
     "training.shuffle": Effect("true", batch, lambda c: ((4, 32), shuffled_row(0))),
     "training.shuffle_seed": Effect(
