@@ -47,6 +47,15 @@ def _check_batch_and_data(cfg: JobConfig, problems: Problems) -> None:
                 f"training.mixture names unknown dataset kinds {sorted(kinds - set(SUPPORTED_DATASETS))}"
                 f"; choose from {', '.join(SUPPORTED_DATASETS)}."
             )
+        per_source = cfg.validation.per_source
+        if per_source and len(per_source) != len(t.mixture):
+            problems.add(
+                f"validation.per_source has {len(per_source)} entries for the "
+                f"{len(t.mixture)} sources of training.mixture: give one KIND:PATH per source."
+            )
+        bad = [e for e in per_source if e.partition(":")[0] not in SUPPORTED_DATASETS]
+        if bad or any(not e.partition(":")[2] for e in per_source):
+            problems.add(f"validation.per_source entries must be KIND:PATH, got {per_source}.")
         if cfg.validation.enable and not cfg.validation.dataset:
             problems.add(
                 "validation.enable with training.mixture needs validation.dataset (and its "

@@ -135,6 +135,8 @@ def _data_rules(cfg: JobConfig) -> list[_Rule]:
          "set validation.enable = true"),
         (v.enable and v.freq > t.steps, "validation.enable validation.freq", "training.steps",
          f"validation.freq = {v.freq} > {_ends_first(cfg)}", "lower validation.freq"),
+        (not t.mixture, "validation.per_source", "training.mixture",
+         "training.mixture is empty (no sources to validate apart)", "set training.mixture"),
         (bool(t.mixture), "training.dataset training.dataset_path", "training.mixture",
          "training.mixture is set (it names the data)", "drop them"),
         (not t.shuffle, "training.shuffle_seed", "training.shuffle",

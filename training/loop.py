@@ -117,6 +117,7 @@ class Run:
     rss_before_model: float | None  # CPU: the process's peak RSS before the model existed
     routing: object | None = None  # models.RoutingHooks of an MoE family
     train_loader: object | None = None  # data.dataloader.DPDataLoader (data_iter's loader)
+    val_sources: dict | None = None  # validation.per_source: metric label -> loader
     # derived from the above:
     params: list[torch.Tensor] = field(init=False)  # this rank's, for the gradient-norm clip
     pp_group: dist.ProcessGroup | None = field(init=False)  # the norm's sum over the stages
@@ -250,10 +251,12 @@ def maybe_validate(run: Run) -> None:
     step = run.state.step
     if run.val_loader is None or step % run.cfg.validation.freq != 0:
         return
-    val_loss = evaluate(run.setup, run.val_loader, run.cfg.validation.steps, run.device)
-    run.metrics.log(
-        step, {"loss": val_loss, "perplexity": math.exp(min(val_loss, 50.0))}, kind="validation"
-    )
+    steps = run.cfg.validation.steps
+    val_loss = evaluate(run.setup, run.val_loader, steps, run.device)
+    record = {"loss": val_loss, "perplexity": math.exp(min(val_loss, 50.0))}
+    for label, loader in (run.val_sources or {}).items():  # each mixture source's held-out loss
+        record[f"loss_{label}"] = evaluate(run.setup, loader, steps, run.device)
+    run.metrics.log(step, record, kind="validation")
 
 
 def maybe_checkpoint(run: Run) -> None:

@@ -295,16 +295,22 @@ def test_megatron_corpus_trains_with_boundaries_from_its_index(tmp_path):
 
 def test_mixture_logs_each_source_s_tokens(tmp_path):
     """A 3:1 mixture of two Megatron corpora: metrics.jsonl holds each source's tokens so
-    far, which add up to tokens_seen and follow the weights at every step."""
+    far, which add up to tokens_seen and follow the weights at every step, and each source's
+    held-out loss (validation.per_source) beside the validation loss."""
     from megatron_files import documents, write_megatron
 
-    for name, seed in (("web", 1), ("code", 2)):
+    for name, seed in (("web", 1), ("code", 2), ("web_val", 3), ("code_val", 4)):
         write_megatron(tmp_path / name, documents(300, seed, vocab=4000))
     dump = tmp_path / "run"
     mixture = f'["megatron:{tmp_path / "web"}:3", "megatron:{tmp_path / "code"}:1"]'
+    held_out = f'["megatron:{tmp_path / "web_val"}", "megatron:{tmp_path / "code_val"}"]'
     out = launch(dump, "--training.mixture", mixture, "--training.steps", "4",
-                 "--validation.enable", "false")  # fmt: skip
+                 "--validation.dataset", "megatron", "--validation.dataset_path",
+                 str(tmp_path / "web_val"), "--validation.per_source", held_out,
+                 "--validation.freq", "4", "--validation.steps", "2")  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
+    (val,) = records(dump, "validation")
+    assert val["loss_mix0"] == pytest.approx(val["loss"]) and val["loss_mix1"] > 0
     for r in records(dump):  # 4 sequences of 32 tokens a step: 3 from web, 1 from code
         assert r["tokens_mix0"] + r["tokens_mix1"] == r["tokens_seen"]
         assert (r["tokens_mix0"], r["tokens_mix1"]) == (96 * r["step"], 32 * r["step"])

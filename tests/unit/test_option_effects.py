@@ -54,6 +54,7 @@ from training.trainer import (
     build_loaders,
     build_model_parts,
     build_optimizers,
+    build_source_validation,
     layout_forward_contexts,
     load_tokenizer,
     meta_model,
@@ -282,6 +283,12 @@ def batch(case: Case, split: str = "train") -> tuple:
     train_loader, val_loader = build_loaders(case.cfg, tokenizer(case), 0, 1)
     inputs, _ = next(iter(train_loader if split == "train" else val_loader))
     return tuple(inputs.shape), inputs[0, :12].tolist()
+
+
+def source_validation(case: Case) -> dict:
+    """The first 12 ids of each per-source validation loader the trainer builds."""
+    loaders = build_source_validation(case.cfg, tokenizer(case), 0, 1)
+    return {label: next(iter(data))[0][0, :12].tolist() for label, data in loaders.items()}
 
 
 def shuffled_row(seed: int) -> list[int]:
@@ -722,6 +729,23 @@ EFFECTS: dict[str, Effect] = {
         lambda c: batch(c, "validation")[1],
         stream([d[::-1] for d in DOCS])[:12],
         VAL,
+    ),
+    # held-out data of each mixture source (here one, docs2's), evaluated apart
+    "validation.per_source": Effect(
+        '["jsonl:{docs2}"]',
+        source_validation,
+        {"mix0": stream([d[::-1] for d in DOCS])[:12]},
+        (
+            "--training.dataset",
+            "sample",
+            "--training.dataset_path",
+            "",
+            "--training.mixture",
+            '["jsonl:{docs}:1"]',
+            *VAL,
+            "--validation.dataset",
+            "jsonl",
+        ),  # fmt: skip
     ),
     # [comm]
     "comm.init_timeout_seconds": Effect("77", runtime("timeout_s"), 77.0),
