@@ -504,6 +504,9 @@ VAL = (
     "{docs}",
 )
 MOE = ("--model.name", "qwen3_moe", "--model.flavor", "debugmodel")
+# a mixture of docs alone (no dataset or dataset_path beside a mixture)
+ONE_SOURCE_MIX = ("--training.dataset", "sample", "--training.dataset_path", "",
+                  "--training.mixture", '["jsonl:{docs}:1"]')  # fmt: skip
 
 EFFECTS: dict[str, Effect] = {
     # [job]
@@ -563,15 +566,7 @@ EFFECTS: dict[str, Effect] = {
         '["jsonl:{docs}:1", "jsonl:{docs2}:3"]',
         batch,
         ((4, 32), stream([d[::-1] for d in DOCS])[:12]),
-        # the base: a mixture of docs alone (no dataset_path beside a mixture)
-        (
-            "--training.dataset",
-            "sample",
-            "--training.dataset_path",
-            "",
-            "--training.mixture",
-            '["jsonl:{docs}:1"]',
-        ),  # fmt: skip
+        ONE_SOURCE_MIX,
     ),
     "training.shuffle": Effect("true", batch, lambda c: ((4, 32), shuffled_row(0))),
     "training.shuffle_seed": Effect(
@@ -735,17 +730,7 @@ EFFECTS: dict[str, Effect] = {
         '["jsonl:{docs2}"]',
         source_validation,
         {"mix0": stream([d[::-1] for d in DOCS])[:12]},
-        (
-            "--training.dataset",
-            "sample",
-            "--training.dataset_path",
-            "",
-            "--training.mixture",
-            '["jsonl:{docs}:1"]',
-            *VAL,
-            "--validation.dataset",
-            "jsonl",
-        ),  # fmt: skip
+        (*ONE_SOURCE_MIX, *VAL, "--validation.dataset", "jsonl"),
     ),
     # [comm]
     "comm.init_timeout_seconds": Effect("77", runtime("timeout_s"), 77.0),
