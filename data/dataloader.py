@@ -11,6 +11,10 @@ State (`state_dict()`) is the *global* position and is identical on every rank::
     {"version": 1, "consumed_sequences": int, "seq_len": int, "dataset": str,
      "cursor": dict, "dp_degree": int, "local_batch_size": int}
 
+With `documents=True` each item is (input_ids, labels, documents): `documents[b, t]` is the
+index, within row b, of the document token t belongs to (0 for the row's first document), from
+the sources' document boundaries (a token file's index, a stream's packing), not from the tokens.
+
 `cursor` lets a streamed source resume without re-reading (file sources need only the
 position); `dp_degree` and `local_batch_size` are informational. A state saved at any dp degree
 can be loaded at any other: the loader simply continues at `consumed_sequences`, so no sequence
@@ -21,7 +25,11 @@ be identical and any one of them is used.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import logging
+import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -37,16 +45,18 @@ from data.dataset import (
     cached_token_file,
     file_identity,
 )
+from data.indexed import TokenStream, open_indexed, read_meta, resolve_prefixes
+from data.mixture import MixtureSource, parse_mixture
 from data.sample_corpus import ensure_sample_corpus
 from data.sources import FILE_EXTENSIONS, iter_documents, open_hf_stream, resolve_files
 from data.tokenizer import Tokenizer, build_tokenizer
 
 logger = logging.getLogger("meshtrain")
 
-SUPPORTED_DATASETS = ("sample", "text", "jsonl", "parquet", "huggingface")
+SUPPORTED_DATASETS = ("sample", "text", "jsonl", "parquet", "huggingface", "megatron")
 STATE_VERSION = 1
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[torch.Tensor, ...]  # (inputs, labels) or (inputs, labels, documents)
 
 
 class DPDataLoader:
@@ -65,8 +75,10 @@ class DPDataLoader:
         dp_rank: int,
         dp_degree: int,
         infinite: bool,
+        documents: bool = False,
     ) -> None:
         self.source = source
+        self.documents = documents
         self.local_batch_size = local_batch_size
         self.dp_rank = dp_rank
         self.dp_degree = dp_degree
@@ -83,17 +95,40 @@ class DPDataLoader:
         self._reader = self.source.reader(0, {}, self.infinite)  # finite pass done: rewind
 
     def _next_batch(self) -> Batch | None:
-        """Walk one global batch, keeping this rank's rows; None when a finite pass ends."""
+        """This rank's rows of the next global batch; None when a finite pass ends. A
+        random-access source is read at this rank's rows only (the cost per rank does not grow
+        with DP); a streamed one is walked through every row of the global batch."""
         rows = []
+        size = self.local_batch_size * self.dp_degree
         try:
-            for k in range(self.local_batch_size * self.dp_degree):
-                row = self._reader.advance(keep=k % self.dp_degree == self.dp_rank)
-                if row is not None:
-                    rows.append(row)
+            if getattr(self.source, "random_access", False):
+                start = self._reader.position
+                if not self.infinite:  # a finite pass drops its last incomplete global batch
+                    self.source.window(start + size - 1, False)
+                mine = range(start + self.dp_rank, start + size, self.dp_degree)
+                rows = [self.source.window(g, self.infinite) for g in mine]
+                self._reader.position = start + size
+            else:
+                for k in range(size):
+                    row = self._reader.advance(keep=k % self.dp_degree == self.dp_rank)
+                    if row is not None:
+                        rows.append(row)
         except EndOfEpoch:
             return None
-        sequences = torch.from_numpy(np.stack(rows).astype(np.int64))
-        return sequences[:, :-1].contiguous(), sequences[:, 1:].contiguous()
+        sequences = torch.from_numpy(np.stack([tokens for tokens, _ in rows]).astype(np.int64))
+        inputs, labels = sequences[:, :-1].contiguous(), sequences[:, 1:].contiguous()
+        if not self.documents:
+            return inputs, labels
+        starts = np.zeros(inputs.shape, dtype=np.int32)
+        for row, (_, within) in enumerate(rows):
+            starts[row, within] = 1
+        return inputs, labels, torch.from_numpy(np.cumsum(starts, axis=1, dtype=np.int32))
+
+    def source_tokens(self) -> dict[str, int]:
+        """A mixture's input tokens taken from each source so far, over all ranks
+        (`tokens_mix<i>`); {} for a single dataset."""
+        counts = getattr(self._reader, "source_sequences", dict)()
+        return {f"tokens_{label}": n * self.source.seq_len for label, n in counts.items()}
 
     def state_dict(self) -> dict[str, Any]:
         """The global position (the same on every rank)."""
@@ -144,11 +179,20 @@ def build_dataloader(
     text_field: str = "text",
     cache_dir: str | None = None,
     infinite: bool = True,
+    documents: bool = False,
+    shuffle_seed: int | None = None,
+    mixture: list[str] | None = None,
 ) -> DPDataLoader:
     """Returns an iterable with state_dict()/load_state_dict(); each item is (input_ids, labels),
-    both torch.long tensors of shape [local_batch_size, seq_len] (on CPU).
+    both torch.long tensors of shape [local_batch_size, seq_len] (on CPU), and with `documents`
+    their document indices (int32, same shape; see DPDataLoader). `shuffle_seed`: read each
+    epoch's sequences in that seed's order (`data/shuffle.py`); sources without random access
+    (streamed datasets) refuse it. `mixture`: `KIND:PATH:WEIGHT` entries blended by weight
+    (`data/mixture.py`) instead of `dataset`/`dataset_path`; source i is shuffled with
+    `shuffle_seed + i`.
 
-    `dataset` is one of SUPPORTED_DATASETS. For "sample" `dataset_path` is ignored and `split`
+    `dataset` is one of SUPPORTED_DATASETS; "megatron" reads pre-tokenised indexed datasets
+    (`dataset_path`: prefixes, .idx files, folders or globs, comma-separated). For "sample" `dataset_path` is ignored and `split`
     ("train"/"validation") picks the part; for "huggingface" `split` is the HF split; for local
     files it is ignored. `tokenizer` may be a Tokenizer or a tokenizer file path.
     """
@@ -161,15 +205,23 @@ def build_dataloader(
         )
     if isinstance(tokenizer, str):
         tokenizer = build_tokenizer(tokenizer)
-    source = build_source(
-        dataset=dataset,
-        dataset_path=dataset_path,
+    build = functools.partial(
+        build_source,
         tokenizer=tokenizer,
         seq_len=seq_len,
         split=split,
         text_field=text_field,
         cache_dir=cache_dir or default_cache_dir(),
     )
+    if mixture:
+        entries = parse_mixture(mixture)
+        parts = [build(dataset=kind, dataset_path=path) for kind, path, _ in entries]
+        for i, part in enumerate(parts):
+            _shuffle(part, None if shuffle_seed is None else shuffle_seed + i)
+        labels = [f"mix{i}" for i in range(len(parts))]
+        source = MixtureSource(parts, [w for *_, w in entries], labels)
+    else:
+        source = _shuffle(build(dataset=dataset, dataset_path=dataset_path), shuffle_seed)
     global_batch = local_batch_size * dp_degree
     if not infinite and isinstance(source, PackedTokens) and source.num_sequences < global_batch:
         logger.warning(
@@ -187,6 +239,7 @@ def build_dataloader(
         dp_rank=dp_rank,
         dp_degree=dp_degree,
         infinite=infinite,
+        documents=documents,
     )
 
 
@@ -213,6 +266,8 @@ def build_source(
         files = resolve_files(dataset, dataset_path)
         name = f"{dataset}:{dataset_path}"
         return _packed_files(dataset, files, text_field, tokenizer, seq_len, cache_dir, name)
+    if dataset == "megatron":
+        return indexed_corpus(dataset_path, tokenizer, seq_len)
     if dataset == "huggingface":
         if not dataset_path:
             raise ValueError("dataset 'huggingface' needs dataset_path: a hub name or local folder")
@@ -245,8 +300,46 @@ def _packed_files(
         tokenizer=tokenizer,
         cache_dir=cache_dir,
         name=name,
+        input_bytes=sum(size for _, size, _ in identity["files"]),
     )
     return PackedTokens(tokens, seq_len, name, fingerprint=f"{name}:{key}")
+
+
+def _shuffle(source: SequenceSource, seed: int | None) -> SequenceSource:
+    """The source, set to read its epochs in the seed's order (None: in corpus order)."""
+    if seed is None:
+        return source
+    if not isinstance(source, PackedTokens):
+        raise ValueError(
+            f"{source.name} is streamed, so its sequences cannot be read in a shuffled "
+            "order; set training.shuffle = false for it"
+        )
+    source.shuffle_seed = seed
+    source.fingerprint += f":shuffle{seed}"
+    return source
+
+
+def indexed_corpus(dataset_path: str, tokenizer: Tokenizer, seq_len: int) -> PackedTokens:
+    """Pre-tokenised Megatron indexed datasets, memory-mapped and read as one stream in the
+    order `resolve_prefixes` gives. A corpus whose `.meta.json` names another tokenizer is
+    refused; one without (Megatron's own tools write none) is checked window by window against
+    the vocabulary (`PackedTokens.vocab_size`)."""
+    prefixes = resolve_prefixes(dataset_path)
+    files = []
+    for prefix in prefixes:
+        meta = read_meta(prefix)
+        if meta is not None and meta.get("tokenizer") not in (None, tokenizer.fingerprint):
+            raise ValueError(
+                f"{prefix} was tokenised with tokenizer {meta['tokenizer'][:16]}, not this run's "
+                f"{tokenizer.path} ({tokenizer.fingerprint[:16]}); set model.tokenizer_path to "
+                "the corpus' tokenizer or re-tokenise the corpus"
+            )
+        files.append(open_indexed(prefix))
+    tokens = TokenStream([f.tokens for f in files], [f.doc_starts for f in files])
+    identity = [[p, os.path.getsize(f"{p}.bin")] for p in prefixes]
+    key = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:16]
+    name = f"megatron:{dataset_path}"
+    return PackedTokens(tokens, seq_len, name, f"{name}:{key}", vocab_size=tokenizer.vocab_size)
 
 
 def _single_state(state: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -10,12 +10,21 @@ Stream definition (the same for every source and every data-parallel layout):
   token (the last label of sequence i is the first input of sequence i+1), so every token after
   the first is predicted exactly once per epoch. Trailing tokens that do not fill a sequence
   are dropped;
-- epochs repeat the same stream; global sequence index `g` runs on across epochs.
+- epochs repeat the same stream; global sequence index `g` runs on across epochs;
+- with a shuffle seed (random-access sources: token files), position `i` of epoch `e` reads
+  sequence `permuted(i, count, seed, e)` instead of sequence `i` (`data/shuffle.py`).
 
-File sources are tokenised once into a flat token file in the cache (`tokens/<key>.bin`, uint16
-when the vocabulary fits, else uint32, plus `<key>.json` metadata; the key hashes the files'
-paths/sizes/mtimes, the text field and the tokenizer) that is memory-mapped, so sequence `g` is an
-O(1) slice. Streaming Hugging Face datasets are tokenised on the fly by every rank.
+File sources are tokenised once into the cache as a Megatron indexed dataset
+(`tokens/<key>.bin` + `.idx`, uint16 when the vocabulary fits, else int32, one document per
+sequence, plus `<key>.meta.json`; the key hashes the files' paths/sizes/mtimes, the text field
+and the tokenizer) that is memory-mapped, so sequence `g` is an O(1) slice; pre-tokenised Megatron
+corpora (`data/indexed.py`) are read the same way, from many files. Streaming Hugging Face
+datasets are tokenised on the fly by every rank.
+
+Document boundaries travel with the tokens: a reader's `advance` returns, with a kept window, the
+window-relative offsets of the documents that start inside it (from the index for token files, from
+the packing for streams), so document masking needs no end-of-document token
+(`data.dataloader.DPDataLoader(documents=True)`).
 """
 
 from __future__ import annotations
@@ -23,7 +32,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import multiprocessing
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from itertools import islice
@@ -33,11 +44,13 @@ from typing import Any, Protocol
 import numpy as np
 
 from data.cache import build_once
+from data.indexed import TokenStream, open_indexed, token_dtype, write_indexed
+from data.shuffle import permuted
 from data.tokenizer import Tokenizer
 
 logger = logging.getLogger("meshtrain")
 
-_TOKEN_CACHE_VERSION = 1
+_TOKEN_CACHE_VERSION = 2  # 2: Megatron indexed format with document boundaries
 _ENCODE_BATCH = 256  # documents per tokenizer call while building a token file
 
 
@@ -45,13 +58,18 @@ class EndOfEpoch(Exception):
     """Raised by a finite reader when its single epoch is exhausted."""
 
 
+# A kept sequence: its L+1 tokens, and the offsets (in 1..L-1, ascending) at which a document
+# starts inside its first L tokens (the inputs).
+Window = tuple[np.ndarray, np.ndarray]
+
+
 class SequenceReader(Protocol):
     """A cursor over the global sequence stream."""
 
     position: int  # global index of the next sequence
 
-    def advance(self, keep: bool) -> np.ndarray | None:
-        """Move past the next sequence, returning its L+1 tokens if `keep`."""
+    def advance(self, keep: bool) -> Window | None:
+        """Move past the next sequence, returning its window if `keep`."""
         ...
 
     def cursor(self) -> dict[str, Any]:
@@ -81,34 +99,100 @@ def cached_token_file(
     tokenizer: Tokenizer,
     cache_dir: str,
     name: str,
-) -> tuple[np.ndarray, str]:
-    """Tokenise the documents into the cache once; return (memory-mapped tokens, cache key)."""
+    input_bytes: int = 0,
+) -> tuple[TokenStream, str]:
+    """Tokenise the documents into the cache once, as a Megatron indexed dataset; return
+    (its memory-mapped token stream with document boundaries, cache key).
+
+    Inputs of PARALLEL_BYTES or more are tokenised by a pool of one process per core (batches
+    of documents in order, so the file is the same as one process writes); progress is logged
+    every PROGRESS_S seconds; above PIPELINE_BYTES the log points to scripts/pretokenize.py."""
     identity = {"version": _TOKEN_CACHE_VERSION, "tokenizer": tokenizer.fingerprint, **identity}
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
-    folder = Path(cache_dir) / "tokens"
-    meta_path, bin_path = folder / f"{key}.json", folder / f"{key}.bin"
-    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+    prefix = Path(cache_dir) / "tokens" / key
+    targets = [Path(f"{prefix}{suffix}") for suffix in (".bin", ".idx", ".meta.json")]
+    dtype = token_dtype(tokenizer.vocab_size)
+
+    def encoded() -> Iterator[np.ndarray]:
+        docs = (doc for doc in documents() if doc)
+        batches = iter(lambda: list(islice(docs, _ENCODE_BATCH)), [])
+        workers = len(os.sched_getaffinity(0)) if input_bytes >= PARALLEL_BYTES else 1
+        progress = _Progress(name, input_bytes, workers)
+        if workers == 1:
+            encoded_batches = (tokenizer.encode_batch(b, True, True) for b in batches)
+            for ids in encoded_batches:
+                yield from progress.count(np.asarray(i, dtype=dtype) for i in ids)
+            return
+        context = multiprocessing.get_context("spawn")  # no fork of a rank's threads
+        with context.Pool(workers, _init_worker, (tokenizer.path,)) as pool:
+            for ids in pool.imap(_encode_worker, batches, chunksize=4):
+                yield from progress.count(np.asarray(i, dtype=dtype) for i in ids)
 
     def build(temps: list[Path]) -> None:
-        logger.info("tokenising %s into %s (once; other ranks wait)", name, bin_path)
-        num_docs = num_tokens = 0
-        with open(temps[1], "wb") as out:
-            docs = (doc for doc in documents() if doc)
-            while batch := list(islice(docs, _ENCODE_BATCH)):
-                ids = tokenizer.encode_batch(batch, bos=True, eos=True)
-                out.write(np.concatenate([np.asarray(i, dtype=dtype) for i in ids]).tobytes())
-                num_docs += len(batch)
-                num_tokens += sum(len(i) for i in ids)
+        logger.info("tokenising %s into %s (once; other ranks wait)", name, targets[0])
+        if input_bytes >= PIPELINE_BYTES:
+            logger.warning(
+                "%s holds %.1f GB of text: tokenising it at start-up takes long and is redone "
+                "whenever the files change; pre-tokenise it once with scripts/pretokenize.py "
+                "(all cores or a SLURM job array) and train on the output with "
+                "training.dataset = 'megatron'",
+                name,
+                input_bytes / 1e9,
+            )
+        num_docs, num_tokens = write_indexed(temps[0], temps[1], encoded(), dtype)
         if num_tokens == 0:
             raise ValueError(f"{name} contains no non-empty documents")
-        meta = {"dtype": np.dtype(dtype).name, "num_tokens": num_tokens, "num_docs": num_docs}
-        temps[0].write_text(json.dumps({**meta, "identity": identity}, indent=1))
+        meta = {"num_tokens": num_tokens, "num_docs": num_docs, "tokenizer": tokenizer.fingerprint}
+        temps[2].write_text(json.dumps({**meta, "identity": identity}, indent=1))
         logger.info("tokenised %s: %d documents, %d tokens", name, num_docs, num_tokens)
 
-    build_once([meta_path, bin_path], build)
-    meta = json.loads(meta_path.read_text())
-    tokens = np.memmap(bin_path, dtype=meta["dtype"], mode="r")
-    return tokens, key
+    build_once(targets, build)
+    file = open_indexed(str(prefix))
+    return TokenStream([file.tokens], [file.doc_starts]), key
+
+
+PARALLEL_BYTES = 16 * 2**20  # first-use tokenisation of at least this much text uses every core
+PIPELINE_BYTES = 2 * 2**30  # above this much text the log points to the pipeline
+PROGRESS_S = 10.0
+_WORKER_TOKENIZER: list[Tokenizer] = []
+
+
+def _init_worker(path: str) -> None:
+    from data.tokenizer import build_tokenizer
+
+    _WORKER_TOKENIZER[:] = [build_tokenizer(path)]
+
+
+def _encode_worker(batch: list[str]) -> list[list[int]]:
+    return _WORKER_TOKENIZER[0].encode_batch(batch, True, True)
+
+
+class _Progress:
+    """Logs documents and tokens done (and the input's size) every PROGRESS_S seconds."""
+
+    def __init__(self, name: str, input_bytes: int, workers: int) -> None:
+        self.name, self.input_bytes, self.workers = name, input_bytes, workers
+        self.docs = self.tokens = 0
+        self.start = self.last = time.monotonic()
+
+    def count(self, arrays: Iterable[np.ndarray]) -> Iterator[np.ndarray]:
+        for array in arrays:
+            self.docs += 1
+            self.tokens += len(array)
+            yield array
+        now = time.monotonic()
+        if now - self.last >= PROGRESS_S:
+            self.last = now
+            logger.info(
+                "tokenising %s (%d processes, %.0f MB of text): %d documents, %d tokens, "
+                "%.0f tokens/s",
+                self.name,
+                self.workers,
+                self.input_bytes / 1e6,
+                self.docs,
+                self.tokens,
+                self.tokens / (now - self.start),
+            )
 
 
 def file_identity(files: list[str]) -> list[list[Any]]:
@@ -119,12 +203,14 @@ def file_identity(files: list[str]) -> list[list[Any]]:
 
 @dataclass
 class PackedTokens:
-    """A tokenised epoch held as one flat array; sequence i is an O(1) slice."""
+    """A tokenised epoch held as one token stream; sequence i is an O(1) slice."""
 
-    tokens: np.ndarray
+    tokens: TokenStream
     seq_len: int
     name: str
     fingerprint: str
+    vocab_size: int | None = None  # set: every kept window is checked to lie below it
+    shuffle_seed: int | None = None  # set: each epoch reads its sequences in a seeded order
 
     def __post_init__(self) -> None:
         self.num_sequences = (len(self.tokens) - 1) // self.seq_len
@@ -134,33 +220,50 @@ class PackedTokens:
                 f"{self.seq_len + 1}; use a smaller seq_len or more data"
             )
 
-    def reader(self, position: int, cursor: dict[str, Any], infinite: bool) -> PackedReader:
+    random_access = True  # window(g) of any g in O(1): a DP rank reads only its own rows
+
+    def reader(self, position: int, cursor: dict[str, Any], infinite: bool) -> PositionReader:
         """A reader at global sequence `position` (no cursor needed: access is random)."""
-        return PackedReader(self, position, infinite)
+        return PositionReader(self, position, infinite)
 
-
-class PackedReader:
-    """Walks the global stream of a PackedTokens, wrapping epochs if infinite."""
-
-    def __init__(self, packed: PackedTokens, position: int, infinite: bool) -> None:
-        self.packed, self.position, self.infinite = packed, position, infinite
-
-    def advance(self, keep: bool) -> np.ndarray | None:
-        """Move past global sequence `position`; raise EndOfEpoch after epoch 0 if finite."""
-        epoch, index = divmod(self.position, self.packed.num_sequences)
-        if epoch > 0 and not self.infinite:
+    def window(self, position: int, infinite: bool) -> Window:
+        """Global sequence `position`; EndOfEpoch past epoch 0 if not `infinite`."""
+        epoch, index = divmod(position, self.num_sequences)
+        if epoch > 0 and not infinite:
             raise EndOfEpoch
         if index == 0 and epoch > 0:
-            logger.info("dataset %s: starting epoch %d", self.packed.name, epoch)
+            logger.info("dataset %s: starting epoch %d", self.name, epoch)
+        if self.shuffle_seed is not None:
+            index = permuted(index, self.num_sequences, self.shuffle_seed, epoch)
+        start = index * self.seq_len
+        window = self.tokens.slice(start, start + self.seq_len + 1)
+        vocab = self.vocab_size
+        if vocab is not None and len(window) and (window.max() >= vocab or window.min() < 0):
+            raise ValueError(
+                f"{self.name}: sequence {index} holds token ids outside the tokenizer's "
+                f"vocabulary [0, {vocab}); the corpus was tokenised with another tokenizer"
+            )
+        return window, self.tokens.starts_within(start, start + self.seq_len)
+
+
+class PositionReader:
+    """Walks the global stream of a random-access source (`window(g)`): the position is all
+    its state."""
+
+    def __init__(self, source: Any, position: int, infinite: bool) -> None:
+        self.source, self.position, self.infinite = source, position, infinite
+
+    def advance(self, keep: bool) -> Window | None:
+        """Move past global sequence `position`; raise EndOfEpoch after epoch 0 if finite."""
+        window = self.source.window(self.position, self.infinite) if keep else None
+        if not keep and not self.infinite:
+            self.source.window(self.position, False)  # raises at the end of epoch 0
         self.position += 1
-        if not keep:
-            return None
-        start = index * self.packed.seq_len
-        return self.packed.tokens[start : start + self.packed.seq_len + 1]
+        return window
 
     def cursor(self) -> dict[str, Any]:
-        """Epoch number, for information only (the position says everything)."""
-        return {"epoch": self.position // self.packed.num_sequences}
+        """Nothing beyond the position."""
+        return {}
 
 
 # ----------------------------------------------------------------------- streaming sources
@@ -231,7 +334,7 @@ class StreamReader:
         self._buffer = np.concatenate(chunks)
         return True
 
-    def advance(self, keep: bool) -> np.ndarray | None:
+    def advance(self, keep: bool) -> Window | None:
         """Move past global sequence `position`, wrapping (or ending) at the stream's end."""
         seq_len = self.source.seq_len
         start = (self.position - self.epoch_start) * seq_len
@@ -248,10 +351,16 @@ class StreamReader:
             self._open(0, 0)
             return self.advance(keep)
         offset = start - self._buffer_start
-        sequence = self._buffer[offset : offset + seq_len + 1].copy() if keep else None
+        window = None
+        if keep:
+            starts = [s - start for _, s in self._doc_starts if start < s < start + seq_len]
+            window = (
+                self._buffer[offset : offset + seq_len + 1].copy(),
+                np.asarray(starts, dtype=np.int64),
+            )
         self.position += 1
         self._drop_before(start + seq_len)
-        return sequence
+        return window
 
     def _drop_before(self, offset: int) -> None:
         """Forget tokens and documents wholly before epoch-relative token `offset`."""

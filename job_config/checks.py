@@ -28,13 +28,48 @@ def _check_batch_and_data(cfg: JobConfig, problems: Problems) -> None:
             f"training.global_batch_size = {t.global_batch_size} must be a multiple of "
             f"training.local_batch_size = {t.local_batch_size} (or -1)."
         )
-    if t.dataset != "sample" and not t.dataset_path:
+    if t.dataset != "sample" and not t.dataset_path and not t.mixture:
         problems.add(
             f"training.dataset = '{t.dataset}' needs training.dataset_path (a file, glob or "
             "folder, or the Hugging Face dataset name); or use dataset = 'sample'."
         )
+    kinds = {t.dataset}
+    if t.mixture:
+        from data.dataloader import SUPPORTED_DATASETS
+        from data.mixture import parse_mixture
+
+        try:
+            kinds = {kind for kind, _, _ in parse_mixture(t.mixture)}
+        except ValueError as e:
+            problems.add(f"training.mixture: {e}.")
+        if not kinds <= set(SUPPORTED_DATASETS):
+            problems.add(
+                f"training.mixture names unknown dataset kinds {sorted(kinds - set(SUPPORTED_DATASETS))}"
+                f"; choose from {', '.join(SUPPORTED_DATASETS)}."
+            )
+        per_source = cfg.validation.per_source
+        if per_source and len(per_source) != len(t.mixture):
+            problems.add(
+                f"validation.per_source has {len(per_source)} entries for the "
+                f"{len(t.mixture)} sources of training.mixture: give one KIND:PATH per source."
+            )
+        bad = [e for e in per_source if e.partition(":")[0] not in SUPPORTED_DATASETS]
+        if bad or any(not e.partition(":")[2] for e in per_source):
+            problems.add(f"validation.per_source entries must be KIND:PATH, got {per_source}.")
+        if cfg.validation.enable and not cfg.validation.dataset:
+            problems.add(
+                "validation.enable with training.mixture needs validation.dataset (and its "
+                "dataset_path): a mixture has no one held-out split."
+            )
+    if t.shuffle and "huggingface" in kinds:
+        problems.add(
+            "training.shuffle = true needs random access to the sequences, but training.dataset "
+            "= 'huggingface' is streamed: set training.shuffle = false (or pre-tokenise the "
+            "dataset and read it as dataset = 'megatron')."
+        )
     v = cfg.validation
-    if v.enable and (v.dataset or t.dataset) in ("text", "jsonl", "parquet") and not v.dataset_path:
+    local = ("text", "jsonl", "parquet", "megatron")
+    if v.enable and (v.dataset or t.dataset) in local and not v.dataset_path:
         problems.add(
             f"validation.enable with {v.dataset or t.dataset} files needs "
             "validation.dataset_path: local files have no held-out split, so validating on "

@@ -126,11 +126,29 @@ class LRScheduler:
 
 @dataclass
 class Training:
-    dataset: Literal["sample", "text", "jsonl", "parquet", "huggingface"] = opt(
-        "sample", "Data source: sample (bundled corpus), text, jsonl, parquet, huggingface"
+    dataset: Literal["sample", "text", "jsonl", "parquet", "huggingface", "megatron"] = opt(
+        "sample",
+        "Data source: sample (bundled corpus), text, jsonl, parquet, huggingface, megatron "
+        "(pre-tokenised Megatron .bin/.idx)",
     )
-    dataset_path: str = opt("", "File, glob or folder (text/jsonl/parquet) or HF dataset name")
+    dataset_path: str = opt(
+        "",
+        "File, glob or folder (text/jsonl/parquet), HF dataset name, or megatron prefixes / "
+        ".idx files / folders / globs (comma-separated)",
+    )
     dataset_text_field: str = opt("text", "Field holding the text in jsonl/parquet/HF records")
+    mixture: list[str] = opt(
+        [],
+        "Weighted mixture instead of dataset/dataset_path: KIND:PATH:WEIGHT entries, e.g. "
+        "['megatron:/data/web:0.7', 'jsonl:/data/code:0.3'] (data/mixture.py); per-source "
+        "tokens in metrics.jsonl as tokens_mix<i>",
+    )
+    shuffle: bool = opt(
+        True,
+        "Read each epoch's sequences in a seeded order (data/shuffle.py; the same on every "
+        "layout, O(1) per sequence); false = the corpus order. Streamed datasets need false",
+    )
+    shuffle_seed: int = opt(0, "Seed of the shuffled order (each epoch its own order)", ge=0)
     local_batch_size: int = opt(8, "Sequences per rank per micro-step", ge=1)
     global_batch_size: int = opt(
         -1,
@@ -140,7 +158,9 @@ class Training:
     )
     seq_len: int = opt(2048, "Tokens per sequence", ge=2)
     document_mask: bool = opt(
-        False, "Packed documents do not attend to each other (boundaries: end-of-document tokens)"
+        False,
+        "Packed documents do not attend to each other (boundaries: the token files' index, a "
+        "stream's packing)",
     )
     steps: int = opt(10000, "Optimizer steps to train", ge=1)
     max_norm: float = opt(1.0, "Clip gradients to this global L2 norm (0 = no clipping)", ge=0)
@@ -276,12 +296,17 @@ class Profiling:
 @dataclass
 class Validation:
     enable: bool = opt(False, "Evaluate on the held-out split during training")
-    dataset: Literal["", "sample", "text", "jsonl", "parquet", "huggingface"] = opt(
+    dataset: Literal["", "sample", "text", "jsonl", "parquet", "huggingface", "megatron"] = opt(
         "", "Validation data source ('' = validation split of training.dataset)"
     )
     dataset_path: str = opt("", "Validation file/glob/folder or HF name ('' = as training)")
     freq: int = opt(100, "Validate every this many steps", ge=1)
     steps: int = opt(-1, "Validation batches per evaluation (-1 = the whole split)", ge=-1)
+    per_source: list[str] = opt(
+        [],
+        "With training.mixture: held-out data of each source, KIND:PATH in the mixture's order; "
+        "each evaluation also logs loss_mix<i> (the validation record)",
+    )
 
 
 @dataclass

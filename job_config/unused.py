@@ -16,7 +16,14 @@ from job_config.schema import JobConfig, config_sections
 
 _DEFAULTS = JobConfig()
 # The suffixes that name one file dataset (as data.sources.FILE_EXTENSIONS reads them).
-_SUFFIX_DATASETS = {".txt": "text", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+_SUFFIX_DATASETS = {
+    ".txt": "text",
+    ".jsonl": "jsonl",
+    ".json": "jsonl",
+    ".parquet": "parquet",
+    ".idx": "megatron",
+    ".bin": "megatron",
+}
 _PIPELINE_KEYS = [
     f"parallelism.pipeline_parallel_{k}"
     for k in ("schedule", "microbatch_size", "layers_per_stage", "split_points")
@@ -106,7 +113,7 @@ def _check_dataset_path(cfg: JobConfig, problems: Problems, section: str) -> Non
         [path_key],
         f"{path_key} = '{path}' set but {kind_key} = '{sec.dataset}'{as_training} (the "
         f"bundled sample corpus), so the path is ignored: set {kind_key} to one of text, "
-        f"jsonl, parquet, huggingface{why}, or drop {path_key}.",
+        f"jsonl, parquet, huggingface, megatron{why}, or drop {path_key}.",
     )
 
 
@@ -128,6 +135,12 @@ def _data_rules(cfg: JobConfig) -> list[_Rule]:
          "set validation.enable = true"),
         (v.enable and v.freq > t.steps, "validation.enable validation.freq", "training.steps",
          f"validation.freq = {v.freq} > {_ends_first(cfg)}", "lower validation.freq"),
+        (not t.mixture, "validation.per_source", "training.mixture",
+         "training.mixture is empty (no sources to validate apart)", "set training.mixture"),
+        (bool(t.mixture), "training.dataset training.dataset_path", "training.mixture",
+         "training.mixture is set (it names the data)", "drop them"),
+        (not t.shuffle, "training.shuffle_seed", "training.shuffle",
+         "training.shuffle = false", "set training.shuffle = true"),
         (not kinds & {"jsonl", "parquet", "huggingface"}, "training.dataset_text_field",
          "training.dataset validation.dataset validation.enable",
          f"training.dataset = '{t.dataset}' (no records)", "use jsonl, parquet or huggingface"),

@@ -40,17 +40,25 @@ class SequenceSplit:
 
 
 def sequence_inputs(
-    split: SequenceSplit, inputs: torch.Tensor, labels: torch.Tensor
+    split: SequenceSplit,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    documents: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """(inputs, labels, model keyword arguments) of this rank for full sequences [batch, seq]:
     the rank's `positions` (its two chunks under CP), with document masking the `documents`
     of its tokens, and under CP the `key_positions` and `key_documents` of the keys its
     attention gathers (all [batch, tokens]). Plain layouts get the batch back unchanged and no
-    keyword arguments."""
+    keyword arguments. `documents`: the loader's document index of each input token (from the
+    token files' index, `data.dataloader.DPDataLoader(documents=True)`); without it, document
+    masking scans for the end-of-document id."""
     if split.plain:
         return inputs, labels, {}
     batch, seq = inputs.shape  # seq_len % (2 cp) == 0: checked with the config
-    documents = None if split.eos_id is None else document_ids(inputs, split.eos_id)
+    if split.eos_id is None:
+        documents = None
+    elif documents is None:
+        documents = document_ids(inputs, split.eos_id)
     if split.cp == 1:
         kwargs = {"positions": torch.arange(seq, device=inputs.device).expand(batch, -1)}
         if documents is not None:

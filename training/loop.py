@@ -116,6 +116,8 @@ class Run:
     phases: PhaseTimer
     rss_before_model: float | None  # CPU: the process's peak RSS before the model existed
     routing: object | None = None  # models.RoutingHooks of an MoE family
+    train_loader: object | None = None  # data.dataloader.DPDataLoader (data_iter's loader)
+    val_sources: dict | None = None  # validation.per_source: metric label -> loader
     # derived from the above:
     params: list[torch.Tensor] = field(init=False)  # this rank's, for the gradient-norm clip
     pp_group: dist.ProcessGroup | None = field(init=False)  # the norm's sum over the stages
@@ -154,10 +156,10 @@ def next_microbatches(run: Run) -> list[tuple[torch.Tensor, torch.Tensor, dict]]
     coordinates (see training.inputs.sequence_inputs)."""
     micro = []
     for _ in range(run.accum_steps):
-        inputs, labels = next(run.data_iter)
-        inputs = inputs.to(run.device, non_blocking=True)
-        labels = labels.to(run.device, non_blocking=True)
-        micro.append(sequence_inputs(run.setup.split, inputs, labels))
+        inputs, labels, *documents = (
+            t.to(run.device, non_blocking=True) for t in next(run.data_iter)
+        )
+        micro.append(sequence_inputs(run.setup.split, inputs, labels, *documents))
     return micro
 
 
@@ -222,6 +224,7 @@ def log_window(run: Run, loss: torch.Tensor, grad_norm: torch.Tensor, step_lr: f
         "data_time_s": window.data / window.steps,
         **{f"{k}_time_s": v for k, v in run.phases.pop().items()},
         "tokens_seen": run.state.tokens_seen,
+        **getattr(getattr(run, "train_loader", None), "source_tokens", dict)(),  # a mixture
     }
     if run.cfg.compile.enable and step == run.first_step:
         record["compile_time_s"] = record["step_time_s"]  # not a steady-state step
@@ -248,10 +251,12 @@ def maybe_validate(run: Run) -> None:
     step = run.state.step
     if run.val_loader is None or step % run.cfg.validation.freq != 0:
         return
-    val_loss = evaluate(run.setup, run.val_loader, run.cfg.validation.steps, run.device)
-    run.metrics.log(
-        step, {"loss": val_loss, "perplexity": math.exp(min(val_loss, 50.0))}, kind="validation"
-    )
+    steps = run.cfg.validation.steps
+    val_loss = evaluate(run.setup, run.val_loader, steps, run.device)
+    record = {"loss": val_loss, "perplexity": math.exp(min(val_loss, 50.0))}
+    for label, loader in (run.val_sources or {}).items():  # each mixture source's held-out loss
+        record[f"loss_{label}"] = evaluate(run.setup, loader, steps, run.device)
+    run.metrics.log(step, record, kind="validation")
 
 
 def maybe_checkpoint(run: Run) -> None:

@@ -145,6 +145,7 @@ def _check_model(cfg: JobConfig, args, problems: Problems) -> None:
 
 def check_data_files(cfg: JobConfig) -> None:
     """Local dataset paths must match files before the model is built."""
+    from data.indexed import resolve_prefixes
     from data.sources import FILE_EXTENSIONS, resolve_files
 
     t, v = cfg.training, cfg.validation
@@ -152,11 +153,13 @@ def check_data_files(cfg: JobConfig) -> None:
     if v.enable:
         sources.append(("validation", v.dataset or t.dataset, v.dataset_path or t.dataset_path))
     for section, kind, path in sources:
-        if kind in FILE_EXTENSIONS:
-            try:
+        try:
+            if kind in FILE_EXTENSIONS:
                 resolve_files(kind, path)
-            except ValueError as e:
-                raise ConfigError(f"{section}.dataset_path: {e}") from None
+            elif kind == "megatron":
+                resolve_prefixes(path)
+        except ValueError as e:
+            raise ConfigError(f"{section}.dataset_path: {e}") from None
 
 
 @dataclass(frozen=True)

@@ -231,8 +231,15 @@ def build_loaders(cfg: JobConfig, tokenizer, dp_rank: int, dp_degree: int):
         dp_degree=dp_degree,
         text_field=t.dataset_text_field,
         cache_dir=default_cache_dir(),
+        documents=t.document_mask,  # boundaries from the sources' indexes, with each batch
     )
-    train_loader = loader(dataset=t.dataset, dataset_path=t.dataset_path, split="train")
+    train_loader = loader(
+        dataset=t.dataset,
+        dataset_path=t.dataset_path,
+        split="train",
+        shuffle_seed=t.shuffle_seed if t.shuffle else None,
+        mixture=t.mixture,
+    )
     if not cfg.validation.enable:
         return train_loader, None
     v = cfg.validation
@@ -243,6 +250,23 @@ def build_loaders(cfg: JobConfig, tokenizer, dp_rank: int, dp_degree: int):
         infinite=False,
     )
     return train_loader, val_loader
+
+
+def build_source_validation(cfg: JobConfig, tokenizer, dp_rank: int, dp_degree: int) -> dict:
+    """validation.per_source: one finite loader per mixture source, by metric label."""
+    if not cfg.validation.enable:
+        return {}
+    t = cfg.training
+    loaders = {}
+    for i, entry in enumerate(cfg.validation.per_source):
+        kind, _, path = entry.partition(":")
+        loaders[f"mix{i}"] = build_dataloader(
+            dataset=kind, dataset_path=path, tokenizer=tokenizer, seq_len=t.seq_len,
+            local_batch_size=t.local_batch_size, dp_rank=dp_rank, dp_degree=dp_degree,
+            split="validation", text_field=t.dataset_text_field, cache_dir=default_cache_dir(),
+            infinite=False, documents=t.document_mask,
+        )  # fmt: skip
+    return loaders
 
 
 def build_optimizers(cfg: JobConfig, model_parts: list[nn.Module], device_type: str):
@@ -373,7 +397,9 @@ def build_run(cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, local_r
         optimizer=optimizer,
         lr_scheduler=lr_scheduler,
         data_iter=iter(train_loader),
+        train_loader=train_loader,
         val_loader=val_loader,
+        val_sources=build_source_validation(cfg, tokenizer, dp_rank, dp_degree),
         checkpointer=checkpointer,
         state=state,
         loss_replicas=parallel_dims.world_size // parallel_dims.pp,  # ranks per loss x DP

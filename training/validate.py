@@ -20,10 +20,11 @@ def evaluate(setup, loader, steps: int, device: torch.device) -> float:
     for part in setup.model_parts:
         part.eval()
     total = torch.zeros(2, device=device, dtype=torch.float64)  # (loss sum, tokens)
-    for i, (inputs, labels) in enumerate(loader):
+    for i, batch in enumerate(loader):
         if steps >= 0 and i >= steps:
             break
-        inputs, labels, kwargs = sequence_inputs(setup.split, inputs.to(device), labels.to(device))
+        inputs, labels, *documents = (t.to(device) for t in batch)
+        inputs, labels, kwargs = sequence_inputs(setup.split, inputs, labels, *documents)
         with setup.loss_context(), setup.autocast():
             if setup.pp_schedule is None:
                 logits = setup.model_parts[0](inputs, **kwargs)

@@ -38,6 +38,7 @@ from parity import (
 from scripts.loss_compare import rel_diff
 
 BF16 = "--training.mixed_precision_param=bfloat16"
+MIX = '--training.mixture=["sample:train:3", "sample:train:1"]'
 
 # bf16 compute with fp32 master weights and fp32 gradient reduction (the GPU default), between
 # layouts that all cast the same way (FSDP2's MixedPrecisionPolicy; ZeRO-1/2's bf16 compute
@@ -86,6 +87,10 @@ LAYOUTS = table(
     # 2, where TP distributes the two modules' weights and the family ties them again
     Layout("tied_one_process", 1, ("--model.flavor=1B",)),
     Layout("tied_tp2_fsdp2", 4, ("--model.flavor=1B", "--parallelism.tensor_parallel_degree=2", "--training.local_batch_size=4"), "tied_one_process"),
+    # a 3:1 weighted mixture of two differently shuffled views of the corpus (#26): one process,
+    # then ZeRO-3 over 4 ranks, each reading only its own rows of the blend
+    Layout("mixture_one_process", 1, (MIX,)),
+    Layout("mixture_zero3_4", 4, ("--parallelism.zero_stage=3", "--training.local_batch_size=2", MIX), "mixture_one_process"),
 )
 # ZeRO-2 shards are FSDP's layout (Shard(0), under TP FSDP's shards of the TP shards): their
 # step-10 checkpoints resume under ZeRO-3 (`after`: the saver)
@@ -96,6 +101,7 @@ RESUMES = table(
 # fmt: on
 BF16_REFERENCE = "fsdp2_bf16"
 TIED_REFERENCE = "tied_one_process"
+MIX_REFERENCE = "mixture_one_process"
 # Tests that need runs besides their parameter's: test name -> runs
 NEEDS = {
     "test_compile_time_logged_separately": ["tp2_fsdp2_compile"],
@@ -147,6 +153,11 @@ def test_layout_matches_one_process(runs, name):
         # 4096 x 64 embeddings counted once + final norm 64 + 2 blocks x (wq 64x64, wk and wv
         # 64x32, wo 64x64, SwiGLU 3 x 64x256, 2 norms x 64) = 262,144 + 64 + 2 x 61,568
         assert run.param_counts()["total"] == 385_344
+        return
+    if name == MIX_REFERENCE:  # other data than the reference's: its own tokens per source
+        assert run.losses() != ref.losses()
+        last = run.records()[-1]
+        assert (last["tokens_mix0"], last["tokens_mix1"]) == (6 * 32 * STEPS, 2 * 32 * STEPS)
         return
     assert_parity(ref.folder, run.folder, row.tol)
 

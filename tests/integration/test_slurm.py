@@ -6,7 +6,8 @@ folder, starts munged (as user munge, unless one already answers), slurmctld and
 then `sbatch`es the script: a tiny 2-worker CPU run that must write its metrics and
 checkpoints, and a run warned of its time limit (USR1 to the batch shell, as
 `--signal=B:USR1@120` does) that must checkpoint, requeue itself and finish from the
-checkpoint. Every daemon this test started is stopped by its pid file at the end.
+checkpoint; and scripts/pretokenize.py as a 2-task datatrove job array. Every daemon this
+test started is stopped by its pid file at the end.
 """
 
 import json
@@ -382,3 +383,32 @@ def test_under_ci_only_listed_skips_pass_and_never_the_protected_files(pytester,
         result = _inner(pytester, monkeypatch, "true", "test_inner.py", extra_conftest=banned)
         assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str()
         assert "must never skip in CI" in result.stderr.str()
+
+
+def test_pretokenize_runs_as_a_two_task_job_array(cluster, tmp_path):
+    """scripts/pretokenize.py --executor slurm submits a 2-task job array (datatrove's SLURM
+    executor) whose shards are byte for byte those of the local executor's 2 tasks."""
+    from data.sample_corpus import default_cache_dir, ensure_sample_tokenizer
+
+    env, _ = cluster
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for f in range(4):
+        docs = [{"text": f"file {f} doc {i} " + "words " * (i % 7)} for i in range(30)]
+        (folder / f"f{f}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    common = ["--format", "jsonl", "--input", str(folder), "--tasks", "2",
+              "--tokenizer", ensure_sample_tokenizer(default_cache_dir())]  # fmt: skip
+    script = [sys.executable, str(ROOT / "scripts" / "pretokenize.py"), *common]
+    _run([*script, "--output", str(tmp_path / "local"), "--workers", "2"], timeout=300)
+    array = tmp_path / "array"
+    _run([*script, "--output", str(array), "--executor", "slurm", "--partition", "debug",
+          "--time", "10", "--mem-per-cpu-gb", "1", "--srun-arg", "mpi=none"],
+         env=env, cwd=ROOT, timeout=120)  # fmt: skip
+    assert "#SBATCH --array=0-1" in (tmp_path / "array.logs" / "launch_script.slurm").read_text()
+    deadline = time.monotonic() + 300
+    while len(list(array.glob("*.meta.json"))) < 2:
+        logs = "".join(p.read_text()[-2000:] for p in (tmp_path / "array.logs").rglob("*.out"))
+        assert time.monotonic() < deadline and "Traceback" not in logs, logs
+        time.sleep(1)
+    for name in [f"0000{t}{s}" for t in range(2) for s in (".bin", ".idx")]:
+        assert (array / name).read_bytes() == (tmp_path / "local" / name).read_bytes(), name

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from dist_utils import TINY_SHAPE, read_param_counts
 
@@ -92,7 +93,9 @@ def test_two_rank_run_learns_and_writes_every_output(tmp_path):
     assert train[-1]["lr"] == pytest.approx(3e-4)
     first, last = train[0]["loss"], sum(r["loss"] for r in train[-3:]) / 3
     assert 7.5 < first < 10.0  # about ln(4096) = 8.3 at init
-    assert last < first - 1.0, (first, last)
+    # shuffled windows (training.shuffle, the default) are more varied than consecutive ones:
+    # 20 steps take ~0.9 off the loss (~1.5 in corpus order)
+    assert last < first - 0.6, (first, last)
     val = records(dump, "validation")
     assert [r["step"] for r in val] == [10, 20]
     assert val[1]["loss"] < val[0]["loss"]
@@ -247,3 +250,67 @@ def test_failed_checkpoint_close_does_not_hide_the_training_error(tmp_path):
     assert "closing after the error also failed: close failed: disk gone" in text
     assert "OSError: close failed" not in text  # no traceback ending in the close error
     assert [r["step"] for r in records(dump)] == [1, 2]
+
+
+def test_megatron_corpus_trains_with_boundaries_from_its_index(tmp_path):
+    """A Megatron .bin/.idx corpus (the tests' own writer, published layout) of documents
+    with no end-of-document token trains under 2 DP ranks with document masking: the
+    boundaries come from the index. Each document counts up (mod 64) from a random id, so the
+    loss falls well below ln(4096) as the model learns the ids and "next id = this id + 1"."""
+    from megatron_files import write_megatron
+
+    rng = np.random.default_rng(0)
+    docs = []
+    for _ in range(440):
+        first = int(rng.integers(0, 64))
+        docs.append([(first + k) % 64 for k in range(int(rng.integers(5, 60)))])
+    write_megatron(tmp_path / "corpus", docs[:400])
+    write_megatron(tmp_path / "held_out", docs[400:])
+    dump = tmp_path / "run"
+    out = launch(
+        dump,
+        "--training.dataset_path",
+        f"{tmp_path / 'corpus'}.idx",  # the suffix selects training.dataset = megatron
+        "--training.document_mask",
+        "true",
+        "--training.steps",
+        "16",
+        "--optimizer.lr",
+        "1e-2",
+        "--validation.dataset_path",
+        str(tmp_path / "held_out"),
+        "--validation.freq",
+        "16",
+        "--validation.steps",
+        "2",
+        nproc=2,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    train = records(dump)
+    assert records(dump, "validation")[0]["loss"] < train[0]["loss"] - 2.0
+    first, last = train[0]["loss"], sum(r["loss"] for r in train[-3:]) / 3
+    assert 7.5 < first < 10.0 and last < first - 2.0, (first, last)
+    assert "training.dataset = 'megatron' inferred" in (dump / "logs/rank_0.log").read_text()
+
+
+def test_mixture_logs_each_source_s_tokens(tmp_path):
+    """A 3:1 mixture of two Megatron corpora: metrics.jsonl holds each source's tokens so
+    far, which add up to tokens_seen and follow the weights at every step, and each source's
+    held-out loss (validation.per_source) beside the validation loss."""
+    from megatron_files import documents, write_megatron
+
+    for name, seed in (("web", 1), ("code", 2), ("web_val", 3), ("code_val", 4)):
+        write_megatron(tmp_path / name, documents(300, seed, vocab=4000))
+    dump = tmp_path / "run"
+    mixture = f'["megatron:{tmp_path / "web"}:3", "megatron:{tmp_path / "code"}:1"]'
+    held_out = f'["megatron:{tmp_path / "web_val"}", "megatron:{tmp_path / "code_val"}"]'
+    out = launch(dump, "--training.mixture", mixture, "--training.steps", "4",
+                 "--validation.dataset", "megatron", "--validation.dataset_path",
+                 str(tmp_path / "web_val"), "--validation.per_source", held_out,
+                 "--validation.freq", "4", "--validation.steps", "2")  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    (val,) = records(dump, "validation")
+    assert val["loss_mix0"] == pytest.approx(val["loss"]) and val["loss_mix1"] > 0
+    for r in records(dump):  # 4 sequences of 32 tokens a step: 3 from web, 1 from code
+        assert r["tokens_mix0"] + r["tokens_mix1"] == r["tokens_seen"]
+        assert (r["tokens_mix0"], r["tokens_mix1"]) == (96 * r["step"], 32 * r["step"])

@@ -23,12 +23,16 @@ SEQ_LEN = 8
 DOCS = [f"doc {i}: " + "xyz" * (i % 5) + "!" * (i % 3) for i in range(24)]
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory) -> Tokenizer:
+def byte_tokenizer(folder: Path) -> Tokenizer:
     """Byte-level Llama 3 format tokenizer: ids are UTF-8 bytes, BOS=256, EOS=257."""
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.model"
+    path = folder / "tokenizer.model"
     path.write_text("".join(f"{base64.b64encode(bytes([b])).decode()} {b}\n" for b in range(256)))
     return build_tokenizer(str(path))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> Tokenizer:
+    return byte_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +70,7 @@ def loader(tokenizer, cache, path, *, dataset="jsonl", batch=4, rank=0, dp=1, **
 
 def rows(batch) -> list[list[int]]:
     """Full sequences (inputs + last label) of a batch, as lists."""
-    inputs, labels = batch
+    inputs, labels = batch[:2]
     return torch.cat([inputs, labels[:, -1:]], dim=1).tolist()
 
 
@@ -76,7 +80,7 @@ def take(data, steps: int) -> list:
 
 
 def test_supported_datasets():
-    assert SUPPORTED_DATASETS == ("sample", "text", "jsonl", "parquet", "huggingface")
+    assert SUPPORTED_DATASETS == ("sample", "text", "jsonl", "parquet", "huggingface", "megatron")
 
 
 def test_shapes_shift_and_stream(tokenizer, cache, jsonl_file):

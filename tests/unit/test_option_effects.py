@@ -39,6 +39,7 @@ from dist_utils import TINY_SHAPE, fake_world
 from torch.distributed.checkpoint import FileSystemReader
 
 from checkpoint.state import COMPONENTS
+from data.shuffle import permuted
 from job_config import JobConfig, parse_args
 from job_config.schema import config_sections
 from metrics.layout_record import _rank_view
@@ -53,6 +54,7 @@ from training.trainer import (
     build_loaders,
     build_model_parts,
     build_optimizers,
+    build_source_validation,
     layout_forward_contexts,
     load_tokenizer,
     meta_model,
@@ -125,10 +127,12 @@ class Case:
 
 def base_argv(files: dict[str, str], dump: Path) -> list[str]:
     """The tiny run every probe starts from: 2 layers of width 64, the byte tokenizer,
-    sequences of 32 tokens from `docs`, 10 steps with 2 of warmup."""
+    sequences of 32 tokens from `docs` in corpus order (unshuffled), 10 steps with 2 of
+    warmup."""
     return [*TINY_SHAPE, "--model.tokenizer_path", files["tok"], "--training.seq_len", "32",
             "--training.local_batch_size", "4", "--training.steps", "10",
             "--training.dataset", "jsonl", "--training.dataset_path", files["docs"],
+            "--training.shuffle", "false",
             "--lr_scheduler.warmup_steps", "2", "--job.dump_folder", str(dump)]  # fmt: skip
 
 
@@ -279,6 +283,19 @@ def batch(case: Case, split: str = "train") -> tuple:
     train_loader, val_loader = build_loaders(case.cfg, tokenizer(case), 0, 1)
     inputs, _ = next(iter(train_loader if split == "train" else val_loader))
     return tuple(inputs.shape), inputs[0, :12].tolist()
+
+
+def source_validation(case: Case) -> dict:
+    """The first 12 ids of each per-source validation loader the trainer builds."""
+    loaders = build_source_validation(case.cfg, tokenizer(case), 0, 1)
+    return {label: next(iter(data))[0][0, :12].tolist() for label, data in loaders.items()}
+
+
+def shuffled_row(seed: int) -> list[int]:
+    """The first 12 ids of the first sequence of `docs` in the seed's epoch-0 order."""
+    tokens = stream(DOCS)
+    first = permuted(0, (len(tokens) - 1) // 32, seed, 0)
+    return tokens[first * 32 : first * 32 + 12]
 
 
 def model_kwargs(case: Case) -> list[str]:
@@ -487,6 +504,9 @@ VAL = (
     "{docs}",
 )
 MOE = ("--model.name", "qwen3_moe", "--model.flavor", "debugmodel")
+# a mixture of docs alone (no dataset or dataset_path beside a mixture)
+ONE_SOURCE_MIX = ("--training.dataset", "sample", "--training.dataset_path", "",
+                  "--training.mixture", '["jsonl:{docs}:1"]')  # fmt: skip
 
 EFFECTS: dict[str, Effect] = {
     # [job]
@@ -541,12 +561,27 @@ EFFECTS: dict[str, Effect] = {
         "{docs2}", batch, ((4, 32), stream([d[::-1] for d in DOCS])[:12])
     ),
     "training.dataset_text_field": Effect("body", batch, ((4, 32), stream(BODIES)[:12])),
+    # a mixture weighted 1:3 starts with docs2's (its share is the furthest behind)
+    "training.mixture": Effect(
+        '["jsonl:{docs}:1", "jsonl:{docs2}:3"]',
+        batch,
+        ((4, 32), stream([d[::-1] for d in DOCS])[:12]),
+        ONE_SOURCE_MIX,
+    ),
+    "training.shuffle": Effect("true", batch, lambda c: ((4, 32), shuffled_row(0))),
+    "training.shuffle_seed": Effect(
+        "7", batch, lambda c: ((4, 32), shuffled_row(7)), ("--training.shuffle", "true")
+    ),
     "training.local_batch_size": Effect("2", lambda c: batch(c)[0], (2, 32)),
     "training.seq_len": Effect("16", lambda c: batch(c)[0], (4, 16)),
     "training.global_batch_size": Effect(
         "12", lambda c: tuple(batch_sizes(c.cfg, 1)), (12, 3, 384)
     ),
-    "training.document_mask": Effect("true", model_kwargs, ["documents", "positions"]),
+    "training.document_mask": Effect(
+        "true",
+        lambda c: (model_kwargs(c), len(next(iter(build_loaders(c.cfg, tokenizer(c), 0, 1)[0])))),
+        (["documents", "positions"], 3),  # the loader adds the documents from the index
+    ),
     "training.steps": Effect("20", lr_factors, (0.3333, 0.9444, 0.7778, 0.5556)),
     "training.max_norm": Effect("0.5", clipped_norm, 0.5),
     "training.mixed_precision_param": Effect(
@@ -689,6 +724,13 @@ EFFECTS: dict[str, Effect] = {
         lambda c: batch(c, "validation")[1],
         stream([d[::-1] for d in DOCS])[:12],
         VAL,
+    ),
+    # held-out data of each mixture source (here one, docs2's), evaluated apart
+    "validation.per_source": Effect(
+        '["jsonl:{docs2}"]',
+        source_validation,
+        {"mix0": stream([d[::-1] for d in DOCS])[:12]},
+        (*ONE_SOURCE_MIX, *VAL, "--validation.dataset", "jsonl"),
     ),
     # [comm]
     "comm.init_timeout_seconds": Effect("77", runtime("timeout_s"), 77.0),
