@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from models.attention import AttentionBatch, AttentionSpec, attend, attention_batch
-from models.block_attention import block_sparsity, visible
+from models.block_attention import block_sparsity
 from parallelisms.context_parallel import gathered_positions, local_positions
 
 SPECS = [
@@ -26,16 +26,25 @@ def _name(spec: AttentionSpec) -> str:
     return f"c{int(spec.causal)}_w{spec.window}_s{spec.softcap}_d{int(spec.document_mask)}"
 
 
+def seen(spec, q_pos, k_pos, q_doc, k_doc):
+    """The visibility rule, stated here apart from the code under test: causal (a key at a
+    later position is hidden), a window of w positions ending at the query, one document."""
+    ok = (k_pos <= q_pos) if spec.causal else torch.ones_like(k_pos <= q_pos)
+    if spec.window is not None:
+        ok = ok & (k_pos > q_pos - spec.window)
+    return ok if q_doc is None else ok & (q_doc == k_doc)
+
+
 def dense(spec, q, k, v, q_pos, k_pos, q_doc=None, k_doc=None):
-    """The definition: scores over every pair, masked by `visible`, K/V repeated."""
+    """The definition: scores over every pair, masked by `seen`, K/V repeated."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     s = q @ k.transpose(-1, -2) * (spec.scale or q.shape[-1] ** -0.5)
     if spec.softcap:
         s = spec.softcap * torch.tanh(s / spec.softcap)
     docs = (q_doc[:, :, None], k_doc[:, None, :]) if q_doc is not None else (None, None)
-    seen = visible(q_pos[:, :, None], k_pos[:, None, :], *docs, spec.causal, spec.window)
-    return torch.softmax(s.masked_fill(~seen[:, None], float("-inf")), -1) @ v
+    mask = seen(spec, q_pos[:, :, None], k_pos[:, None, :], *docs)
+    return torch.softmax(s.masked_fill(~mask[:, None], float("-inf")), -1) @ v
 
 
 def _qkv(batch, heads, kv_heads, q_len, k_len, dim=16, dtype=torch.float64):
