@@ -465,6 +465,7 @@ def test_converted_hf_model_loads_under_tp_and_fsdp(tmp_path):
         local_batch_size=8,
         dp_rank=0,
         dp_degree=1,
+        shuffle_seed=0,  # the run's order: training.shuffle on, training.shuffle_seed 0
     )
     inputs, labels = next(iter(loader))
     with torch.no_grad():
