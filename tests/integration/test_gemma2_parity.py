@@ -28,7 +28,10 @@ from parity import (
 )
 
 TOL = GEMMA2_FP32  # measured: see tests/parity.py
-GEMMA2 = ("--model.name=gemma2", "--model.flavor=debugmodel")
+# In corpus order, the order GEMMA2_FP32 was measured on: shuffled, the tied output matrix's
+# float32 noise under TP 2 reached 1.8e-3 element-wise and 1.2e-4 norm-wise (2026-12-03; the
+# float64 rows agree with one process to 1e-10, so it is noise, not the layout).
+GEMMA2 = ("--model.name=gemma2", "--model.flavor=debugmodel", "--training.shuffle=false")
 DOC = "--training.document_mask=true"
 CP2 = "--parallelism.context_parallel_degree=2"
 TP2 = "--parallelism.tensor_parallel_degree=2"
