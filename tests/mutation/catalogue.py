@@ -96,9 +96,18 @@ MUTANTS = [
         "dp_offset_off_by_one",
         "data-parallel slice offset off by one (ranks 0 and 1 read the same sequences)",
         "data/dataloader.py",
+        "mine = range(start + self.dp_rank, start + size, self.dp_degree)",
+        "mine = range(start + max(self.dp_rank - 1, 0), start + size, self.dp_degree)",
+        ("tests/unit/test_data_loader.py::test_rank_slices_partition_global_batch",),
+    ),
+    Mutant(
+        "streamed_dp_offset_off_by_one",
+        "streamed source: the data-parallel slice offset off by one (ranks 0 and 1 keep the"
+        " same rows of the global batch)",
+        "data/dataloader.py",
         "keep=k % self.dp_degree == self.dp_rank",
         "keep=k % self.dp_degree == max(self.dp_rank - 1, 0)",
-        ("tests/unit/test_data_loader.py::test_rank_slices_partition_global_batch",),
+        ("tests/unit/test_data_loader.py::test_huggingface_stream_matches_packed_files",),
     ),
     Mutant(
         "hsdp_replicas_not_averaged",
