@@ -29,8 +29,9 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -41,9 +42,11 @@ from data.dataset import (
     EndOfEpoch,
     PackedTokens,
     SequenceSource,
+    ShardedStream,
     StreamedTokens,
     cached_token_file,
     file_identity,
+    merge_cursors,
 )
 from data.indexed import TokenStream, open_indexed, read_meta, resolve_prefixes
 from data.mixture import MixtureSource, parse_mixture
@@ -76,8 +79,10 @@ class DPDataLoader:
         dp_degree: int,
         infinite: bool,
         documents: bool = False,
+        gather_cursors: Callable[[dict], list[dict]] | None = None,
     ) -> None:
         self.source = source
+        self.gather_cursors = gather_cursors  # every DP rank's cursor (sharded streams)
         self.documents = documents
         self.local_batch_size = local_batch_size
         self.dp_rank = dp_rank
@@ -96,16 +101,19 @@ class DPDataLoader:
 
     def _next_batch(self) -> Batch | None:
         """This rank's rows of the next global batch; None when a finite pass ends. A
-        random-access source is read at this rank's rows only (the cost per rank does not grow
-        with DP); a streamed one is walked through every row of the global batch."""
+        random-access source or a sharded stream is read at this rank's rows only (the cost per
+        rank does not grow with DP); one stream is walked through every row of the global
+        batch."""
         rows = []
         size = self.local_batch_size * self.dp_degree
         try:
-            if getattr(self.source, "random_access", False):
-                start = self._reader.position
+            start = self._reader.position
+            mine = range(start + self.dp_rank, start + size, self.dp_degree)
+            if hasattr(self._reader, "read_rows"):  # a sharded stream: only this rank's rows
+                rows = self._reader.read_rows(mine, start + size)
+            elif getattr(self.source, "random_access", False):
                 if not self.infinite:  # a finite pass drops its last incomplete global batch
                     self.source.window(start + size - 1, False)
-                mine = range(start + self.dp_rank, start + size, self.dp_degree)
                 rows = [self.source.window(g, self.infinite) for g in mine]
                 self._reader.position = start + size
             else:
@@ -131,13 +139,18 @@ class DPDataLoader:
         return {f"tokens_{label}": n * self.source.seq_len for label, n in counts.items()}
 
     def state_dict(self) -> dict[str, Any]:
-        """The global position (the same on every rank)."""
+        """The global position (the same on every rank). A sharded stream's cursor joins every
+        data-parallel rank's shard cursors (`gather_cursors`, a collective over the DP ranks:
+        every rank calls it together, as a checkpoint save does)."""
+        cursor = self._reader.cursor()
+        if "shards" in cursor and self.gather_cursors is not None:
+            cursor = merge_cursors(self.gather_cursors(cursor))
         return {
             "version": STATE_VERSION,
             "consumed_sequences": self._reader.position,
             "seq_len": self.source.seq_len,
             "dataset": self.source.fingerprint,
-            "cursor": self._reader.cursor(),
+            "cursor": cursor,
             "dp_degree": self.dp_degree,
             "local_batch_size": self.local_batch_size,
         }
@@ -182,6 +195,8 @@ def build_dataloader(
     documents: bool = False,
     shuffle_seed: int | None = None,
     mixture: list[str] | None = None,
+    stream_shards: int = 1,
+    gather_cursors: Callable[[dict], list[dict]] | None = None,
 ) -> DPDataLoader:
     """Returns an iterable with state_dict()/load_state_dict(); each item is (input_ids, labels),
     both torch.long tensors of shape [local_batch_size, seq_len] (on CPU), and with `documents`
@@ -195,6 +210,11 @@ def build_dataloader(
     (`dataset_path`: prefixes, .idx files, folders or globs, comma-separated). For "sample" `dataset_path` is ignored and `split`
     ("train"/"validation") picks the part; for "huggingface" `split` is the HF split; for local
     files it is ignored. `tokenizer` may be a Tokenizer or a tokenizer file path.
+
+    `stream_shards` > 1 splits a streamed ("huggingface") training source into that many
+    virtual shards of its data files (`data.dataset.ShardedStream`): each rank then reads and
+    tokenises only its own shards when dp_degree divides stream_shards. `gather_cursors` (for
+    a sharded stream in a multi-rank run) all-gathers a cursor over the data-parallel ranks.
     """
     for label, value, low in [("seq_len", seq_len, 1), ("local_batch_size", local_batch_size, 1)]:
         if value < low:
@@ -213,7 +233,17 @@ def build_dataloader(
         text_field=text_field,
         cache_dir=cache_dir or default_cache_dir(),
     )
-    if mixture:
+    if stream_shards > 1 and (mixture or dataset != "huggingface" or not infinite):
+        raise ValueError(
+            "stream_shards > 1 splits a streamed training dataset (dataset = 'huggingface', "
+            "no mixture, infinite); this loader reads "
+            + ("a mixture" if mixture else f"{dataset!r}" + ("" if infinite else " once"))
+        )
+    if stream_shards > 1:
+        source = sharded_stream(
+            dataset_path, tokenizer, seq_len, split, text_field, stream_shards, dp_degree
+        )
+    elif mixture:
         entries = parse_mixture(mixture)
         parts = [build(dataset=kind, dataset_path=path) for kind, path, _ in entries]
         for i, part in enumerate(parts):
@@ -233,6 +263,14 @@ def build_dataloader(
             local_batch_size,
             dp_degree,
         )
+    if isinstance(source, StreamedTokens) and dp_degree > 1:
+        logger.warning(
+            "%s is one stream: each of the %d data-parallel ranks reads and tokenises every "
+            "row of the global batch, a cost that grows with the DP degree; set "
+            "training.stream_shards to a multiple of it (at most the dataset's file count)",
+            source.name,
+            dp_degree,
+        )
     return DPDataLoader(
         source,
         local_batch_size=local_batch_size,
@@ -240,6 +278,7 @@ def build_dataloader(
         dp_degree=dp_degree,
         infinite=infinite,
         documents=documents,
+        gather_cursors=gather_cursors,
     )
 
 
@@ -271,12 +310,44 @@ def build_source(
     if dataset == "huggingface":
         if not dataset_path:
             raise ValueError("dataset 'huggingface' needs dataset_path: a hub name or local folder")
-        open_documents = open_hf_stream(dataset_path, split, text_field)
+        (open_documents,) = open_hf_stream(dataset_path, split, text_field)
         next(open_documents(0), None)  # fail now, not mid-training, on a missing text field
         name = f"huggingface:{dataset_path}:{split}"
         fingerprint = f"{name}:{text_field}:{tokenizer.fingerprint[:16]}"
         return StreamedTokens(open_documents, tokenizer, seq_len, name, fingerprint)
     raise ValueError(f"unknown dataset {dataset!r}; choose one of {', '.join(SUPPORTED_DATASETS)}")
+
+
+def sharded_stream(
+    dataset_path: str,
+    tokenizer: Tokenizer,
+    seq_len: int,
+    split: str,
+    text_field: str,
+    num_shards: int,
+    dp_degree: int,
+) -> ShardedStream:
+    """A Hugging Face dataset streamed as `num_shards` virtual shards of its data files."""
+    if not dataset_path:
+        raise ValueError("dataset 'huggingface' needs dataset_path: a hub name or local folder")
+    openers = open_hf_stream(dataset_path, split, text_field, num_shards)
+    next(openers[0](0), None)  # fail now, not mid-training, on a missing text field
+    name = f"huggingface:{dataset_path}:{split}"
+    fingerprint = f"{name}:{text_field}:{tokenizer.fingerprint[:16]}:shards{num_shards}"
+    shards = [
+        StreamedTokens(opener, tokenizer, seq_len, f"{name} shard {k}", fingerprint)
+        for k, opener in enumerate(openers)
+    ]
+    if num_shards % dp_degree:
+        logger.warning(
+            "training.stream_shards = %d is not a multiple of the data-parallel degree %d: a "
+            "rank's rows come from shards that other ranks read too, and it tokenises their "
+            "rows as well (up to %dx its own)",
+            num_shards,
+            dp_degree,
+            max(1, dp_degree // math.gcd(num_shards, dp_degree)),
+        )
+    return ShardedStream(shards, seq_len, name, fingerprint)
 
 
 def _packed_files(
@@ -348,6 +419,9 @@ def _single_state(state: Mapping[str, Any]) -> Mapping[str, Any]:
         return state
     per_rank = list(state.values())
     if per_rank and all(isinstance(s, Mapping) and "consumed_sequences" in s for s in per_rank):
+        if all("shards" in (s.get("cursor") or {}) for s in per_rank):  # a sharded stream's
+            merged = merge_cursors([s["cursor"] for s in per_rank])
+            per_rank = [{**s, "cursor": merged} for s in per_rank]
         if any(dict(s) != dict(per_rank[0]) for s in per_rank):
             raise ValueError(
                 "per-rank data loader states differ; they should all hold the same global position"

@@ -164,7 +164,7 @@ def _init_worker(path: str) -> None:
 
 
 def _encode_worker(batch: list[str]) -> list[list[int]]:
-    return _WORKER_TOKENIZER[0].encode_batch(batch, True, True)
+    return _WORKER_TOKENIZER[0].encode_batch(batch, True, True, threads=1)  # one per core
 
 
 class _Progress:
@@ -381,3 +381,91 @@ class StreamReader:
             "doc_index": doc,
             "doc_token_start": doc_start,
         }
+
+
+@dataclass
+class ShardedStream:
+    """A streamed source split into S virtual shards, each packed on its own: global sequence g
+    is sequence g // S of shard g % S. The order depends on S, never on the layout. When the
+    data-parallel degree divides S, every sequence of shard k goes to rank k % dp, so a rank
+    opens and tokenises only its S / dp shards: its cost per step is its own rows, whatever
+    the degree (`DPDataLoader` skips the rows of other ranks without touching their shards)."""
+
+    shards: list[StreamedTokens]
+    seq_len: int
+    name: str
+    fingerprint: str
+
+    def reader(self, position: int, cursor: dict[str, Any], infinite: bool) -> ShardedReader:
+        """A reader at global `position`; `cursor["shards"]` holds the saved shards' cursors."""
+        if not infinite:
+            raise ValueError(
+                f"{self.name}: a sharded stream has no common end of epoch across ranks, so it "
+                "cannot make one finite pass (validation reads it as one stream)"
+            )
+        return ShardedReader(self, position, cursor.get("shards", {}))
+
+
+class ShardedReader:
+    """Walks a ShardedStream: `advance(keep=False)` costs nothing; a kept row opens its shard's
+    reader (at the shard's saved cursor, else from its start) and catches it up."""
+
+    def __init__(self, source: ShardedStream, position: int, cursors: dict[str, Any]) -> None:
+        self.source, self.position = source, position
+        self._saved = dict(cursors)  # str(shard) -> {"position": shard position, **cursor}
+        self._readers: dict[int, StreamReader] = {}
+
+    def _shard_reader(self, shard: int) -> StreamReader:
+        if shard not in self._readers:
+            saved = dict(self._saved.get(str(shard), {}))
+            at = saved.pop("position", 0)
+            if at and not saved:
+                raise ValueError(f"{self.source.name}: shard {shard}'s saved cursor is empty")
+            self._readers[shard] = StreamReader(self.source.shards[shard], at, saved, True)
+        return self._readers[shard]
+
+    def advance(self, keep: bool) -> Window | None:
+        """Move past global sequence `position`, reading it from its shard if `keep`."""
+        count = len(self.source.shards)
+        shard, index = self.position % count, self.position // count
+        window = None
+        if keep:
+            reader = self._shard_reader(shard)
+            if reader.position > index:
+                raise ValueError(
+                    f"{self.source.name}: shard {shard} was saved past sequence {index}; "
+                    "the loader state does not match this position"
+                )
+            while reader.position < index:  # rows of this shard that other ranks kept
+                reader.advance(False)
+            window = reader.advance(True)
+        self.position += 1
+        return window
+
+    def read_rows(self, rows: range, end: int) -> list[Window]:
+        """The windows of global sequences `rows` (ascending, from `position` on); then the
+        position moves to `end`. The rows in between cost nothing."""
+        windows = []
+        for row in rows:
+            self.position = row
+            windows.append(self.advance(True))
+        self.position = end
+        return windows
+
+    def cursor(self) -> dict[str, Any]:
+        """The cursors of the shards this reader opened (other ranks hold the others';
+        `merge_cursors` joins them) and any saved ones it has not opened yet."""
+        shards = dict(self._saved)
+        for shard, reader in self._readers.items():
+            shards[str(shard)] = {"position": reader.position, **reader.cursor()}
+        return {"shards": shards}
+
+
+def merge_cursors(cursors: list[dict[str, Any]]) -> dict[str, Any]:
+    """One cursor from every data-parallel rank's: each shard's most advanced position."""
+    shards: dict[str, Any] = {}
+    for cursor in cursors:
+        for shard, saved in cursor.get("shards", {}).items():
+            if saved["position"] >= shards.get(shard, {"position": -1})["position"]:
+                shards[shard] = saved
+    return {"shards": shards}

@@ -59,10 +59,11 @@ class TokenizeToIndexed(PipelineStep):
     name = "🔢 meshtrain tokenizer"
     type = "🔢 - TOKENIZER"
 
-    def __init__(self, output_folder: str, tokenizer_path: str) -> None:
+    def __init__(self, output_folder: str, tokenizer_path: str, threads: int = 1) -> None:
         super().__init__()
         self.output_folder = str(output_folder)
         self.tokenizer_path = tokenizer_path
+        self.threads = threads  # the tokenizer's threads in this task (its share of the cores)
 
     def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         from data.tokenizer import build_tokenizer
@@ -78,7 +79,7 @@ class TokenizeToIndexed(PipelineStep):
             texts = (doc.text for doc in data if doc.text)
             for batch in batched(texts, _ENCODE_BATCH):
                 with self.track_time(unit="batch"):
-                    ids = tokenizer.encode_batch(list(batch), bos=True, eos=True)
+                    ids = tokenizer.encode_batch(list(batch), True, True, threads=self.threads)
                 for one in ids:
                     self.stat_update("documents")
                     self.stat_update("tokens", value=len(one))
@@ -142,7 +143,31 @@ def reader(kind: str, path: str, text_field: str = "text", split: str = "train")
 
 
 def pipeline(
-    kind: str, path: str, output: str, tokenizer_path: str, text_field: str = "text"
+    kind: str,
+    path: str,
+    output: str,
+    tokenizer_path: str,
+    text_field: str = "text",
+    threads: int = 1,
+    split: str = "train",
 ) -> list[PipelineStep]:
-    """The two steps: read, then tokenise into the output folder's shards."""
-    return [reader(kind, path, text_field), TokenizeToIndexed(output, tokenizer_path)]
+    """The two steps: read, then tokenise into the output folder's shards with `threads`
+    tokenizer threads per task (parallelism comes from the tasks: one thread each when there
+    are as many workers as cores); `split` is the Hugging Face dataset's split."""
+    return [
+        reader(kind, path, text_field, split),
+        TokenizeToIndexed(output, tokenizer_path, threads),
+    ]
+
+
+def forget_lost_shards(output: str, logging_dir: str, tasks: int) -> list[int]:
+    """Tasks that datatrove marks completed but whose shard is no longer in `output` (the
+    output folder was deleted or moved, the logs kept): their marks are removed so that a
+    rerun tokenises them again instead of skipping them and leaving no corpus."""
+    lost = []
+    for task in range(tasks):
+        mark = Path(logging_dir) / "completions" / f"{task:05d}"
+        if mark.is_file() and not (Path(output) / f"{task:05d}.meta.json").is_file():
+            mark.unlink()
+            lost.append(task)
+    return lost

@@ -66,11 +66,16 @@ def iter_documents(kind: str, files: list[str], text_field: str) -> Iterator[str
         yield from readers[kind](file, text_field)
 
 
-def open_hf_stream(dataset_path: str, split: str, text_field: str) -> Callable[[int], Iterator]:
-    """Return `open(skip)`: a fresh iterator over the streamed texts after `skip` examples.
+def open_hf_stream(
+    dataset_path: str, split: str, text_field: str, num_shards: int = 1
+) -> list[Callable[[int], Iterator]]:
+    """Return one `open(skip)` per shard: a fresh iterator over the shard's streamed texts after
+    `skip` of its examples.
 
     `dataset_path` is anything `load_dataset` accepts (a hub name or a local folder), optionally
-    followed by `:config_name` (e.g. `allenai/c4:en`).
+    followed by `:config_name` (e.g. `allenai/c4:en`). With `num_shards` > 1 the dataset's data
+    files are split into that many contiguous groups (`IterableDataset.shard`), so reading a
+    shard opens only its own files; it needs at least `num_shards` files.
     """
     import datasets  # slow import, only needed for this source
 
@@ -81,12 +86,25 @@ def open_hf_stream(dataset_path: str, split: str, text_field: str) -> Callable[[
         raise ValueError(
             f"cannot stream Hugging Face dataset {dataset_path!r} split {split!r}: {err}"
         ) from err
+    files = stream.n_shards
+    if num_shards > files:
+        raise ValueError(
+            f"training.stream_shards = {num_shards}, but Hugging Face dataset {dataset_path!r} "
+            f"split {split!r} has only {files} data file(s) to split among them: use at most "
+            f"{files} (ideally a multiple of the data-parallel degree that divides {files})"
+        )
 
-    def open_from(skip: int) -> Iterator[str]:
-        for index, example in enumerate(stream.skip(skip) if skip else stream, start=skip):
-            yield _text_of(example, text_field, f"{dataset_path!r} example {index}")
+    def opener(shard: int) -> Callable[[int], Iterator[str]]:
+        part = stream.shard(num_shards, shard) if num_shards > 1 else stream
+        where = f"{dataset_path!r}" + (f" shard {shard}/{num_shards}" if num_shards > 1 else "")
 
-    return open_from
+        def open_from(skip: int) -> Iterator[str]:
+            for index, example in enumerate(part.skip(skip) if skip else part, start=skip):
+                yield _text_of(example, text_field, f"{where} example {index}")
+
+        return open_from
+
+    return [opener(shard) for shard in range(num_shards)]
 
 
 def _read_text(file: str, text_field: str) -> Iterator[str]:

@@ -109,8 +109,13 @@ class Tokenizer(ABC):
         head = [self.bos_id] if bos and self.bos_id is not None else []
         return head + ids + ([self.eos_id] if eos else [])
 
-    def encode_batch(self, texts: Sequence[str], bos: bool, eos: bool) -> list[list[int]]:
-        """Encode several texts (subclasses may use a faster native batch path)."""
+    def encode_batch(
+        self, texts: Sequence[str], bos: bool, eos: bool, threads: int = 0
+    ) -> list[list[int]]:
+        """Encode several texts (subclasses may use a faster native batch path). `threads`:
+        how many threads a native batch encoder may use (0: the library's default, usually
+        every core; 1 in processes that already run one per core, which would otherwise
+        oversubscribe the machine)."""
         return [self.encode(text, bos=bos, eos=eos) for text in texts]
 
     def __repr__(self) -> str:
@@ -192,9 +197,11 @@ class SentencePieceTokenizer(Tokenizer):
         """Encode with the model (no sampling)."""
         return self._sp.encode(text)
 
-    def encode_batch(self, texts: Sequence[str], bos: bool, eos: bool) -> list[list[int]]:
+    def encode_batch(
+        self, texts: Sequence[str], bos: bool, eos: bool, threads: int = 0
+    ) -> list[list[int]]:
         """Encode several texts with sentencepiece's multi-threaded batch encoder."""
-        return self._sp.encode(list(texts), add_bos=bos, add_eos=eos)
+        return self._sp.encode(list(texts), add_bos=bos, add_eos=eos, num_threads=threads or -1)
 
     def decode(self, ids: Iterable[int]) -> str:
         """Decode ids with the model."""
@@ -312,8 +319,14 @@ class HuggingFaceTokenizer(Tokenizer):
         """Encode without the post-processor's special tokens."""
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def encode_batch(self, texts: Sequence[str], bos: bool, eos: bool) -> list[list[int]]:
-        """Encode several texts with the library's parallel batch encoder."""
+    def encode_batch(
+        self, texts: Sequence[str], bos: bool, eos: bool, threads: int = 0
+    ) -> list[list[int]]:
+        """Encode several texts with the library's parallel batch encoder (its thread pool is
+        process-wide: with threads = 1 each text is encoded on the calling thread)."""
+        if threads == 1:
+            return [self._frame(self._tok.encode(t, add_special_tokens=False).ids, bos, eos)
+                    for t in texts]  # fmt: skip
         encodings = self._tok.encode_batch(list(texts), add_special_tokens=False)
         return [self._frame(e.ids, bos, eos) for e in encodings]
 

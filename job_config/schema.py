@@ -149,6 +149,14 @@ class Training:
         "layout, O(1) per sequence); false = the corpus order. Streamed datasets need false",
     )
     shuffle_seed: int = opt(0, "Seed of the shuffled order (each epoch its own order)", ge=0)
+    stream_shards: int = opt(
+        1,
+        "dataset = huggingface: split the streamed dataset's files into this many virtual "
+        "shards, each packed on its own (sequence g from shard g mod S); with a multiple of the "
+        "DP degree each rank tokenises only its own rows. 1 = one stream that every rank reads "
+        "whole. Part of the data order: keep it when resuming",
+        ge=1,
+    )
     local_batch_size: int = opt(8, "Sequences per rank per micro-step", ge=1)
     global_batch_size: int = opt(
         -1,

@@ -141,6 +141,10 @@ def _data_rules(cfg: JobConfig) -> list[_Rule]:
          "training.mixture is set (it names the data)", "drop them"),
         (not t.shuffle, "training.shuffle_seed", "training.shuffle",
          "training.shuffle = false", "set training.shuffle = true"),
+        (t.stream_shards > 1 and (t.dataset != "huggingface" or bool(t.mixture)),
+         "training.stream_shards", "training.dataset training.mixture",
+         f"training.dataset = '{t.dataset}'" + (" in a mixture" if t.mixture else "")
+         + " is not one streamed dataset", "set stream_shards = 1 or dataset = 'huggingface'"),
         (not kinds & {"jsonl", "parquet", "huggingface"}, "training.dataset_text_field",
          "training.dataset validation.dataset validation.enable",
          f"training.dataset = '{t.dataset}' (no records)", "use jsonl, parquet or huggingface"),

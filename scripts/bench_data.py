@@ -7,8 +7,9 @@ start-up on a generated pre-tokenised corpus, and pre-tokenisation throughput.
 
 `loader`: one rank of N (the last, rank N - 1) is built in this process for each N and timed
 over its steps; the global batch grows with N (local batch fixed), as at scale. Sources: a
-pre-tokenised Megatron corpus (shuffled) and a streamed Hugging Face dataset (a local JSONL
-folder). Results go to <out>/data.json and are printed as a Markdown table.
+pre-tokenised Megatron corpus (shuffled), a streamed Hugging Face dataset (a local JSONL
+folder) read as one stream, and one of --shards files read as that many virtual shards
+(training.stream_shards). Results go to <out>/loader.json.
 """
 
 from __future__ import annotations
@@ -54,23 +55,45 @@ def bench_loader(args, tokenizer) -> list[dict]:
         (hf / "train.jsonl").write_text(
             "".join(json.dumps({"text": f"{i} {text}"}) + "\n" for i in range(2000))
         )
-        for kind, path, seed in (("megatron", f"{tmp}/corpus", 0), ("huggingface", str(hf), None)):
+        sharded = Path(tmp) / "hf_sharded"  # one file per virtual shard
+        sharded.mkdir()
+        for f in range(args.shards):
+            (sharded / f"train-{f:05d}.jsonl").write_text(
+                "".join(
+                    json.dumps({"text": f"{f} {i} {text}"}) + "\n" for i in range(args.shard_docs)
+                )
+            )
+        sources = (
+            ("megatron", f"{tmp}/corpus", 0, 1),
+            ("huggingface", str(hf), None, 1),
+            ("huggingface", str(sharded), None, args.shards),
+        )
+        for kind, path, seed, shards in sources:
+            label = kind if shards == 1 else f"{kind} ({shards} stream shards)"
             for dp in args.dp:
-                if kind == "huggingface" and dp > args.max_stream_dp:
+                if kind == "huggingface" and shards == 1 and dp > args.max_stream_dp:
                     continue
                 data = build_dataloader(
                     dataset=kind, dataset_path=path, tokenizer=tokenizer, seq_len=args.seq_len,
                     local_batch_size=args.batch, dp_rank=dp - 1, dp_degree=dp, shuffle_seed=seed,
-                    cache_dir=f"{tmp}/cache",
+                    cache_dir=f"{tmp}/cache", stream_shards=shards,
                 )  # fmt: skip
                 it = iter(data)
-                next(it)  # warm-up: opens the files/stream
+                # warm-up: opens the files/stream, and every shard this rank reads (a one-time
+                # cost per shard, timed apart)
+                warmup = max(1, -(-shards // (dp * args.batch)))
+                start = time.perf_counter()
+                for _ in range(warmup):
+                    next(it)
+                opening = time.perf_counter() - start
                 start = time.perf_counter()
                 for _ in range(args.steps):
                     next(it)
                 per_step = (time.perf_counter() - start) / args.steps
-                rows.append({"source": kind, "dp": dp, "ms_per_step": per_step * 1e3})
-                print(f"{kind:12s} dp {dp:5d}: {per_step * 1e3:8.3f} ms/step", flush=True)
+                rows.append({"source": label, "dp": dp, "ms_per_step": per_step * 1e3,
+                             "warmup_steps": warmup, "warmup_s": opening})  # fmt: skip
+                print(f"{label:40s} dp {dp:5d}: {per_step * 1e3:8.3f} ms/step "
+                      f"(warm-up {warmup} steps, {opening:.2f} s)", flush=True)  # fmt: skip
     for row in rows:
         base = next(r for r in rows if r["source"] == row["source"] and r["dp"] == 1)
         row["vs_dp1"] = row["ms_per_step"] / base["ms_per_step"]
@@ -110,18 +133,27 @@ def bench_pretokenize(args) -> list[dict]:
             docs = (json.dumps({"text": f"{f} {i} {text}"}) + "\n" for i in range(args.docs))
             (src / f"part{f:03d}.jsonl").write_text("".join(docs))
         chars = sum(p.stat().st_size for p in src.iterdir())
-        for workers in args.workers:
-            dest = Path(tmp) / f"out{workers}"
+        # (workers, tokenizer threads per worker): one thread each shows the scaling over
+        # processes; 0 is the script's default (the cores shared among the workers)
+        for workers, threads in [(w, t) for t in args.threads for w in args.workers]:
+            dest = Path(tmp) / f"out{workers}_{threads}"
             cmd = [sys.executable, str(ROOT / "scripts/pretokenize.py"), "--format", "jsonl",
                    "--input", str(src), "--output", str(dest), "--tasks", str(args.files),
-                   "--workers", str(workers)]  # fmt: skip
+                   "--workers", str(workers), "--threads", str(threads)]  # fmt: skip
+            if args.executor == "slurm":  # a running cluster (SLURM_CONF), its debug partition
+                cmd += ["--executor", "slurm", "--partition", args.partition, "--time", "30",
+                        "--cpus-per-task", str(threads or 1), "--mem-per-cpu-gb", "1",
+                        "--srun-arg", "mpi=none"]  # fmt: skip
             start = time.perf_counter()
             subprocess.run(cmd, check=True, capture_output=True, env={**os.environ})
+            while len(list(dest.glob("*.meta.json"))) < args.files:  # the array's tasks
+                time.sleep(0.2)
             seconds = time.perf_counter() - start
             tokens = sum(json.loads(p.read_text())["num_tokens"] for p in dest.glob("*.meta.json"))
-            out.append({"workers": workers, "seconds": seconds, "tokens": tokens,
+            out.append({"executor": args.executor, "workers": workers, "threads": threads,
+                        "seconds": seconds, "tokens": tokens,
                         "tokens_per_s": tokens / seconds, "input_mb": chars / 1e6})  # fmt: skip
-            print(f"{workers} workers: {tokens} tokens in {seconds:.1f} s = "
+            print(f"{workers} workers x {threads or 'default'} threads: {tokens} tokens in {seconds:.1f} s = "
                   f"{tokens / seconds:,.0f} tokens/s", flush=True)  # fmt: skip
     return out
 
@@ -132,12 +164,23 @@ def main() -> None:
     p.add_argument("--out", default="")
     p.add_argument("--dp", type=int, nargs="+", default=[1, 8, 64, 512, 1024])
     p.add_argument("--max-stream-dp", type=int, default=64)
+    p.add_argument("--shards", type=int, default=1024, help="loader: stream shards (files)")
+    p.add_argument("--shard-docs", type=int, default=48, help="loader: documents per shard file")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--tokens", type=int, default=1_000_000_000)
     p.add_argument("--corpus-dir", default="")
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 0])
+    p.add_argument(
+        "--executor",
+        choices=("local", "slurm"),
+        default="local",
+        help="pretokenize: slurm submits a --files-task job array to the running "
+        "cluster SLURM_CONF names (start one as tests/integration/test_slurm.py does)",
+    )
+    p.add_argument("--partition", default="debug", help="pretokenize --executor slurm")
     p.add_argument("--files", type=int, default=4)
     p.add_argument("--docs", type=int, default=1500)
     args = p.parse_args()
@@ -154,7 +197,9 @@ def main() -> None:
         result = bench_pretokenize(args)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        Path(args.out, f"{args.what}.json").write_text(json.dumps(result, indent=1) + "\n")
+        slurm = args.what == "pretokenize" and args.executor == "slurm"
+        name = f"{args.what}{'_slurm' if slurm else ''}.json"
+        Path(args.out, name).write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

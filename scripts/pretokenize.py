@@ -14,12 +14,13 @@ command line wins.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 import tomllib
 
-from data.pretokenize import FORMATS, pipeline
+from data.pretokenize import FORMATS, forget_lost_shards, pipeline
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -33,6 +34,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--split", default="train", help="huggingface: the split to read")
     p.add_argument("--tasks", type=int, default=1, help="shards (input files are dealt to them)")
     p.add_argument("--workers", type=int, default=-1, help="local: processes (-1 = tasks)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="tokenizer threads per task (0 = local: cores / workers; slurm: "
+                   "--cpus-per-task)")  # fmt: skip
     p.add_argument("--executor", choices=("local", "slurm"), default="local")
     p.add_argument("--logging-dir", help="datatrove's logs/completions (default <output>.logs)")
     p.add_argument("--partition", default="", help="slurm: partition")
@@ -64,8 +68,21 @@ def executor(args: argparse.Namespace):
     from data.sample_corpus import ensure_sample_tokenizer
 
     tokenizer = args.tokenizer or ensure_sample_tokenizer(default_cache_dir())
-    steps = pipeline(args.format, args.input, args.output, tokenizer, args.text_field)
     logs = args.logging_dir or f"{str(args.output).rstrip('/')}.logs"
+    lost = forget_lost_shards(args.output, logs, args.tasks)
+    if lost:
+        print(f"tasks {lost} were marked done in {logs} but their shards are missing from "
+              f"{args.output}: they run again", flush=True)  # fmt: skip
+    if args.threads:
+        threads = args.threads
+    elif args.executor == "local":
+        workers = args.tasks if args.workers == -1 else args.workers
+        threads = max(1, len(os.sched_getaffinity(0)) // max(1, min(workers, args.tasks)))
+    else:
+        threads = args.cpus_per_task
+    steps = pipeline(
+        args.format, args.input, args.output, tokenizer, args.text_field, threads, args.split
+    )
     if args.executor == "local":
         from datatrove.executor import LocalPipelineExecutor
 

@@ -61,6 +61,7 @@ def scaled_preset(name: str, device: str = "cpu") -> tuple[int, list[str]]:
         "--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
         "--model.n_layers", str(layers), "--model.tokenizer_path", "",
         "--training.dataset", "sample", "--training.dataset_path", "",
+        "--training.stream_shards", "1",  # the offline sample corpus is no stream
         "--training.seq_len", str(SEQ_LEN), "--training.local_batch_size", "4",
         "--training.global_batch_size", "-1", "--training.steps", str(STEPS),
         "--training.device", device,

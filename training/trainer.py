@@ -219,8 +219,9 @@ def warn_if_warmup_too_long(cfg: JobConfig) -> None:
         )
 
 
-def build_loaders(cfg: JobConfig, tokenizer, dp_rank: int, dp_degree: int):
-    """(training loader, validation loader or None) of this DP rank's slice."""
+def build_loaders(cfg: JobConfig, tokenizer, dp_rank: int, dp_degree: int, dp_group=None):
+    """(training loader, validation loader or None) of this DP rank's slice; `dp_group` (the
+    data-parallel ranks' process group) joins a sharded stream's cursors at a save."""
     t = cfg.training
     loader = functools.partial(
         build_dataloader,
@@ -239,6 +240,8 @@ def build_loaders(cfg: JobConfig, tokenizer, dp_rank: int, dp_degree: int):
         split="train",
         shuffle_seed=t.shuffle_seed if t.shuffle else None,
         mixture=t.mixture,
+        stream_shards=t.stream_shards,
+        gather_cursors=None if dp_group is None else functools.partial(gather_objects, dp_group),
     )
     if not cfg.validation.enable:
         return train_loader, None
@@ -250,6 +253,13 @@ def build_loaders(cfg: JobConfig, tokenizer, dp_rank: int, dp_degree: int):
         infinite=False,
     )
     return train_loader, val_loader
+
+
+def gather_objects(group, obj) -> list:
+    """`obj` from every rank of `group` (a collective: all of them call it together)."""
+    out = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(out, obj, group=group)
+    return out
 
 
 def build_source_validation(cfg: JobConfig, tokenizer, dp_rank: int, dp_degree: int) -> dict:
@@ -367,7 +377,9 @@ def build_run(cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, local_r
     built, counts, attention = build_model(cfg, parallel_dims, model_args, device, step_loss, rank)
     fpt, peak = model_rates(cfg, model_args, counts, device, batches, dp_degree, attention)
     warn_if_warmup_too_long(cfg)
-    train_loader, val_loader = build_loaders(cfg, tokenizer, dp_rank, dp_degree)
+    dp_mesh = parallel_dims.dim("dp")
+    dp_group = dp_mesh.get_group() if dp_mesh is not None and dp_degree > 1 else None
+    train_loader, val_loader = build_loaders(cfg, tokenizer, dp_rank, dp_degree, dp_group)
     model_parts = built[0]
     optimizer, lr_scheduler = build_optimizers(cfg, model_parts, device.type)
     state = TrainState()

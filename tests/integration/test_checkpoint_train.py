@@ -472,3 +472,30 @@ def test_converted_hf_model_loads_under_tp_and_fsdp(tmp_path):
         logits = hf(inputs).logits
     want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).item()
     assert losses(dump)[1] == pytest.approx(want, rel=1e-4)
+
+
+def test_sharded_stream_resumes_at_another_dp_through_train(tmp_path):
+    """A streamed Hugging Face dataset in 4 virtual shards (training.stream_shards): 2 ranks
+    each read only their own 2 shards; the checkpoint at step 3 joins both ranks' shard cursors,
+    and one process resumes from it with the 2-rank run's losses, gradient norms and weights."""
+    data = tmp_path / "hf"
+    data.mkdir()
+    for f in range(4):
+        docs = [f"shard {f} document {i} " + "some words of text " * (1 + (i + f) % 5)
+                for i in range(40)]  # fmt: skip
+        (data / f"train-{f:05d}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n"
+                                                           for d in docs))  # fmt: skip
+    stream = ["--training.dataset", "huggingface", "--training.dataset_path", str(data),
+              "--training.shuffle", "false", "--training.stream_shards", "4",
+              "--training.steps", "6", "--checkpoint.interval", "3"]  # fmt: skip
+    env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    ref = tmp_path / "ref"
+    ok(train(ref, "fsdp2", *stream, env=env))
+    saved = dcp_values(ref / "checkpoint/step-3", {"dataloader": {"state": b""}})["dataloader"]
+    assert saved["consumed_sequences"] == 3 * 8
+    assert sorted(saved["cursor"]["shards"]) == ["0", "1", "2", "3"]  # both ranks' shards
+    resumed = tmp_path / "resumed"
+    copy_checkpoint(ref, 3, resumed)
+    ok(train(resumed, "single", *stream, env=env))
+    assert sorted(losses(resumed)) == [4, 5, 6]
+    assert_parity(ref, resumed, FP32, first=4, step=6)

@@ -74,6 +74,13 @@ def test_user_jsonl_folder_on_two_workers_resumes_and_trains(tmp_path):
     pretokenize(*args)
     assert {p.name: p.stat().st_mtime_ns for p in output.glob("0000[02].*")} == kept
     assert sorted(shard_documents(output)) == want and len(before) < len(want)
+    # A shard lost after its task finished (its mark kept: the output folder was deleted, the
+    # logs were not) is redone too, not skipped, and the script says so.
+    for path in output.glob("00002.*"):
+        path.unlink()
+    rerun = pretokenize(*args)
+    assert "tasks [2] were marked done" in rerun.stdout
+    assert sorted(shard_documents(output)) == want
 
     # The trainer reads the folder; a run with another tokenizer is refused.
     data = build_dataloader(dataset="megatron", dataset_path=str(output), tokenizer=tokenizer,
@@ -133,3 +140,31 @@ def test_first_use_tokenisation_on_every_core_logs_progress_and_points_to_the_pi
     for a, b in zip(*files):
         assert a.read_bytes() == b.read_bytes(), a.name
     assert next(iter(serial))[0].tolist() == next(iter(pooled))[0].tolist()
+
+
+def test_threads_and_split_reach_the_pipeline(monkeypatch):
+    """Each task's tokenizer threads: --threads, else the cores shared among the local workers,
+    else --cpus-per-task on SLURM; --split reaches the Hugging Face reader."""
+    from scripts.pretokenize import executor, parse
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    base = ["--format", "jsonl", "--input", str(ROOT / "README.md"), "--output", "/tmp/x"]
+
+    def threads(*more: str) -> int:
+        return executor(parse([*base, *more])).pipeline[-1].threads
+
+    assert threads("--tasks", "4", "--workers", "2") == 4
+    assert threads("--tasks", "2") == 4  # workers = tasks
+    assert threads("--tasks", "16", "--workers", "16") == 1
+    assert threads("--tasks", "4", "--threads", "3") == 3
+    hf = ["--format", "huggingface", "--input", "some/dataset", "--output", "/tmp/x"]
+    reader = executor(parse([*hf, "--split", "validation"])).pipeline[0]
+    assert reader.dataset_options["split"] == "validation"
+
+
+def test_one_thread_encodes_as_many_do():
+    tokenizer = build_tokenizer(ensure_sample_tokenizer(default_cache_dir()))
+    texts = [f"document {i} " + "some text " * i for i in range(50)]
+    assert tokenizer.encode_batch(texts, True, True, threads=1) == tokenizer.encode_batch(
+        texts, True, True
+    )

@@ -101,6 +101,39 @@ MUTANTS = [
         ("tests/unit/test_data_loader.py::test_rank_slices_partition_global_batch",),
     ),
     Mutant(
+        "sharded_stream_not_caught_up",
+        "sharded stream: a kept row is read from its shard without first skipping the shard's"
+        " rows that other ranks kept (the shard's sequence numbering slips)",
+        "data/dataset.py",
+        "            while reader.position < index:",
+        "            while False:",
+        (
+            "tests/unit/test_data_loader.py::"
+            "test_sharded_stream_with_a_degree_not_dividing_the_shards_is_still_exact",
+        ),
+    ),
+    Mutant(
+        "sharded_stream_cursors_not_joined",
+        "sharded stream: loading per-rank states keeps the first rank's shard cursors only (the"
+        " other shards restart from their first document)",
+        "data/dataloader.py",
+        'merged = merge_cursors([s["cursor"] for s in per_rank])',
+        'merged = per_rank[0]["cursor"]',
+        ("tests/unit/test_data_loader.py::test_sharded_stream_resumes_exactly_at_another_dp",),
+    ),
+    Mutant(
+        "pretokenize_lost_shard_skipped",
+        "pre-tokenisation: a task marked done whose shard is missing is skipped on a rerun (the"
+        " corpus silently lacks it)",
+        "data/pretokenize.py",
+        'if mark.is_file() and not (Path(output) / f"{task:05d}.meta.json").is_file():',
+        "if False:",
+        (
+            "tests/integration/test_pretokenize.py::"
+            "test_user_jsonl_folder_on_two_workers_resumes_and_trains",
+        ),
+    ),
+    Mutant(
         "streamed_dp_offset_off_by_one",
         "streamed source: the data-parallel slice offset off by one (ranks 0 and 1 keep the"
         " same rows of the global batch)",

@@ -372,3 +372,133 @@ def test_bad_arguments(tokenizer, cache, jsonl_file, tmp_path):
         loader(tokenizer, cache, jsonl_file).load_state_dict(
             {"dp_rank_0": state, "dp_rank_1": moved}
         )
+
+
+# ------------------------------------------------------------------ sharded streams (#26 item 5)
+SHARD_FILES = 4
+
+
+@pytest.fixture(scope="module")
+def hf_files(tmp_path_factory) -> tuple[Path, list[list[str]]]:
+    """A streamed dataset of SHARD_FILES train files (uneven lengths, so the shards wrap their
+    epochs at different steps) and a validation file."""
+    folder = tmp_path_factory.mktemp("hf_sharded")
+    parts = [[f"file {f} doc {i} " + "ab" * ((i + f) % 4) for i in range(5 + 2 * f)]
+             for f in range(SHARD_FILES)]  # fmt: skip
+    for f, docs in enumerate(parts):
+        lines = "".join(json.dumps({"text": d}) + "\n" for d in docs)
+        (folder / f"train-{f:05d}.jsonl").write_text(lines)
+    (folder / "validation.jsonl").write_text(json.dumps({"text": "held out text"}) + "\n")
+    return folder, parts
+
+
+def sharded(tokenizer, cache, folder, *, batch, rank=0, dp=1, shards=SHARD_FILES):
+    return loader(tokenizer, cache, folder, dataset="huggingface", batch=batch, rank=rank, dp=dp,
+                  stream_shards=shards)  # fmt: skip
+
+
+def defined_sharded_stream(parts: list[list[str]], count: int) -> list[list[int]]:
+    """The definition: global sequence g is sequence g // S of shard g % S, each shard (here one
+    file) packed on its own and repeating its epochs."""
+    shards = [expected_sequences(docs) for docs in parts]
+    return [shards[g % len(shards)][(g // len(shards)) % len(shards[g % len(shards)])]
+            for g in range(count)]  # fmt: skip
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_sharded_stream_follows_its_definition_on_every_layout(tokenizer, cache, hf_files, dp):
+    folder, parts = hf_files
+    steps, global_batch = 12, 8  # past every shard's first epoch
+    want = defined_sharded_stream(parts, steps * global_batch)
+    readers = [sharded(tokenizer, cache, folder, batch=global_batch // dp, rank=r, dp=dp)
+               for r in range(dp)]  # fmt: skip
+    got = [take(data, steps) for data in readers]
+    for step in range(steps):
+        batch_rows = want[step * global_batch : (step + 1) * global_batch]
+        for r in range(dp):
+            assert rows(got[r][step]) == batch_rows[r::dp], (step, r)
+    for r, data in enumerate(readers):  # rank r opened (read, tokenised) only its own shards
+        assert sorted(data._reader._readers) == list(range(r, SHARD_FILES, dp))
+
+
+def test_sharded_stream_with_a_degree_not_dividing_the_shards_is_still_exact(
+    tokenizer, cache, hf_files, caplog
+):
+    folder, parts = hf_files
+    want = defined_sharded_stream(parts, 6 * 3)
+    with caplog.at_level(logging.WARNING, logger="meshtrain"):
+        readers = [sharded(tokenizer, cache, folder, batch=1, rank=r, dp=3) for r in range(3)]
+    assert "not a multiple of the data-parallel degree 3" in caplog.text
+    got = [take(data, 6) for data in readers]
+    for step in range(6):
+        for r in range(3):
+            assert rows(got[r][step]) == want[step * 3 : step * 3 + 3][r::3]
+
+
+@pytest.mark.parametrize("new_dp", [1, 4])
+def test_sharded_stream_resumes_exactly_at_another_dp(tokenizer, cache, hf_files, new_dp):
+    """Two ranks save after 5 steps (each holds its own shards' cursors); the joined state
+    resumes one rank or four at the next global batch."""
+    folder, parts = hf_files
+    want = defined_sharded_stream(parts, 8 * 8)
+    first = [sharded(tokenizer, cache, folder, batch=4, rank=r, dp=2) for r in range(2)]
+    for data in first:
+        take(data, 5)
+    per_rank = json.loads(json.dumps({f"dp_rank_{r}": d.state_dict() for r, d in enumerate(first)}))
+    assert set(per_rank["dp_rank_1"]["cursor"]["shards"]) == {"1", "3"}
+    resumed = [sharded(tokenizer, cache, folder, batch=8 // new_dp, rank=r, dp=new_dp)
+               for r in range(new_dp)]  # fmt: skip
+    for data in resumed:
+        data.load_state_dict(per_rank)  # every shard's cursor: no shard is re-read from its start
+        assert sorted(data._reader._saved, key=int) == ["0", "1", "2", "3"]
+    got = [take(data, 3) for data in resumed]
+    for step in range(3):
+        batch_rows = want[(5 + step) * 8 : (6 + step) * 8]
+        for r in range(new_dp):
+            assert rows(got[r][step]) == batch_rows[r::new_dp]
+
+
+def test_sharded_stream_state_joins_every_ranks_cursors(tokenizer, cache, hf_files):
+    """With `gather_cursors` (the trainer's all-gather over the DP ranks) each rank's state holds
+    every shard's cursor, so the one state a checkpoint keeps resumes any layout."""
+    folder, _ = hf_files
+    first = [sharded(tokenizer, cache, folder, batch=2, rank=r, dp=2) for r in range(2)]
+    for data in first:
+        take(data, 3)
+    cursors = [d._reader.cursor() for d in first]
+    for data in first:
+        data.gather_cursors = lambda mine: cursors
+    states = [d.state_dict() for d in first]
+    assert states[0] == states[1] and set(states[0]["cursor"]["shards"]) == {"0", "1", "2", "3"}
+
+
+def test_sharded_stream_refusals(tokenizer, cache, hf_files, hf_folder):
+    folder, _ = hf_files
+    with pytest.raises(ValueError, match="has only 1 data file"):
+        sharded(tokenizer, cache, hf_folder, batch=1, shards=2)
+    with pytest.raises(ValueError, match="splits a streamed training dataset"):
+        loader(tokenizer, cache, folder, dataset="huggingface", batch=1, stream_shards=2,
+               infinite=False)  # fmt: skip
+
+
+def test_one_stream_over_several_ranks_warns_of_its_cost(tokenizer, cache, hf_folder, caplog):
+    with caplog.at_level(logging.WARNING, logger="meshtrain"):
+        loader(tokenizer, cache, hf_folder, dataset="huggingface", batch=1, rank=0, dp=2)
+    assert "grows with the DP degree" in caplog.text and "training.stream_shards" in caplog.text
+
+
+def test_stream_shards_from_the_config_reach_the_training_loader(tokenizer, hf_files, tmp_path):
+    from job_config import parse_args
+    from training.trainer import build_loaders
+
+    folder, parts = hf_files
+    argv = ["--training.dataset", "huggingface", "--training.dataset_path", str(folder),
+            "--training.shuffle", "false", "--training.seq_len", str(SEQ_LEN),
+            "--training.local_batch_size", "4", "--validation.enable", "true"]  # fmt: skip
+    one, _ = build_loaders(parse_args(argv), tokenizer, 0, 1)
+    four, val = build_loaders(parse_args([*argv, "--training.stream_shards", "4"]), tokenizer, 0, 1)
+    assert rows(next(iter(four))) == defined_sharded_stream(parts, 4)
+    assert rows(next(iter(one))) != rows(next(iter(four)))
+    assert val is not None and not hasattr(val._reader, "read_rows")  # validation: one stream
+    with pytest.raises(Exception, match="stream_shards"):
+        parse_args(["--training.stream_shards", "4"])  # the sample corpus is no stream

@@ -283,6 +283,9 @@ def test_hf_encode_batch_uses_the_library_batch_encoder(qwen_like):
     tok._tok = Spy(tok._tok)
     assert tok.encode_batch(SAMPLE_TEXTS, bos=True, eos=True) == expected
     assert calls == [(SAMPLE_TEXTS, {"add_special_tokens": False})]
+    # one thread (a pre-tokenisation task's share of the cores): the same ids, on this thread
+    assert tok.encode_batch(SAMPLE_TEXTS, bos=True, eos=True, threads=1) == expected
+    assert len(calls) == 1
 
 
 def test_hf_fingerprint(qwen_like, tiktoken_path, sentencepiece_path, tmp_path):

@@ -754,6 +754,8 @@ EFFECTS: dict[str, Effect] = {
 ELSEWHERE: dict[str, str] = {
     "comm.train_timeout_seconds": "tests/integration/test_fault_tolerance.py::"
     "test_hung_rank_becomes_an_error_naming_rank_and_step",
+    "training.stream_shards": "tests/unit/test_data_loader.py::"
+    "test_stream_shards_from_the_config_reach_the_training_loader",
 }
 
 LOGGING_ONLY: dict[str, str] = {
