@@ -296,6 +296,12 @@ class StreamReader:
         self, source: StreamedTokens, position: int, cursor: dict[str, Any], infinite: bool
     ) -> None:
         self.source, self.position, self.infinite = source, position, infinite
+        if "shards" in cursor:
+            raise ValueError(
+                f"the loader state of {source.name} was saved reading it as "
+                f"{cursor.get('count')} stream shards; the shard count is part of the data "
+                f"order, so resume with training.stream_shards = {cursor.get('count')}"
+            )
         if "doc_index" in cursor:
             self.epoch, self.epoch_start = cursor["epoch"], cursor["epoch_start"]
             doc, doc_start = cursor["doc_index"], cursor["doc_token_start"]
@@ -403,6 +409,13 @@ class ShardedStream:
                 f"{self.name}: a sharded stream has no common end of epoch across ranks, so it "
                 "cannot make one finite pass (validation reads it as one stream)"
             )
+        saved = cursor.get("count", 1) if cursor else len(self.shards)
+        if position and saved != len(self.shards):
+            raise ValueError(
+                f"{self.name}: the loader state was saved reading {saved} stream shard(s), this "
+                f"run reads {len(self.shards)}; the shard count is part of the data order, so "
+                f"resume with training.stream_shards = {saved}"
+            )
         return ShardedReader(self, position, cursor.get("shards", {}))
 
 
@@ -458,14 +471,15 @@ class ShardedReader:
         shards = dict(self._saved)
         for shard, reader in self._readers.items():
             shards[str(shard)] = {"position": reader.position, **reader.cursor()}
-        return {"shards": shards}
+        return {"count": len(self.source.shards), "shards": shards}
 
 
 def merge_cursors(cursors: list[dict[str, Any]]) -> dict[str, Any]:
     """One cursor from every data-parallel rank's: each shard's most advanced position."""
+    (count,) = {cursor["count"] for cursor in cursors}
     shards: dict[str, Any] = {}
     for cursor in cursors:
         for shard, saved in cursor.get("shards", {}).items():
             if saved["position"] >= shards.get(shard, {"position": -1})["position"]:
                 shards[shard] = saved
-    return {"shards": shards}
+    return {"count": count, "shards": shards}

@@ -481,6 +481,21 @@ def test_sharded_stream_refusals(tokenizer, cache, hf_files, hf_folder):
                infinite=False)  # fmt: skip
 
 
+def test_a_state_saved_with_another_shard_count_is_refused(tokenizer, cache, hf_files):
+    folder, _ = hf_files
+    four = sharded(tokenizer, cache, folder, batch=2)
+    take(four, 2)
+    state = four.state_dict()
+    for other in (sharded(tokenizer, cache, folder, batch=2, shards=2),
+                  loader(tokenizer, cache, folder, dataset="huggingface", batch=2)):  # fmt: skip
+        with pytest.raises(ValueError, match="resume with training.stream_shards = 4"):
+            other.load_state_dict(state)
+    one = loader(tokenizer, cache, folder, dataset="huggingface", batch=2)
+    take(one, 2)
+    with pytest.raises(ValueError, match="resume with training.stream_shards = 1"):
+        four.load_state_dict(one.state_dict())
+
+
 def test_one_stream_over_several_ranks_warns_of_its_cost(tokenizer, cache, hf_folder, caplog):
     with caplog.at_level(logging.WARNING, logger="meshtrain"):
         loader(tokenizer, cache, hf_folder, dataset="huggingface", batch=1, rank=0, dp=2)
