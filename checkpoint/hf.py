@@ -5,17 +5,22 @@ and config.json map to Hugging Face's is the family's `hf` adapter (`models.HFAd
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from checkpoint.state import single_process
+from models.contract import HFTensor
 from checkpoint.storage import CheckpointError, commit, prepare_tmp, read_layout, step_dir
 
 
@@ -72,6 +77,135 @@ def write_hf_weights(
     return names
 
 
+# ----------------------------------------------------------- slices of Hugging Face files
+def is_hf_folder(folder: Path) -> bool:
+    """A Hugging Face model folder: config.json beside model.safetensors or an index."""
+    folder = Path(folder)
+    return (folder / "config.json").is_file() and (
+        (folder / "model.safetensors").is_file()
+        or (folder / "model.safetensors.index.json").is_file()
+    )
+
+
+class HFFiles:
+    """The tensors of a Hugging Face folder, read slice by slice with safetensors' `safe_open`
+    (`get_slice` copies only the slice asked for), one file open at a time: the file's pages
+    a read touches stay mapped, so counted in the process's RSS, only until another file is
+    opened or `close()`: at most one shard's worth."""
+
+    def __init__(self, folder: Path):
+        from safetensors import safe_open
+
+        self.folder = Path(folder)
+        index = self.folder / "model.safetensors.index.json"
+        if index.is_file():
+            self.where = dict(json.loads(index.read_text())["weight_map"])
+        elif (self.folder / "model.safetensors").is_file():
+            with safe_open(str(self.folder / "model.safetensors"), framework="pt") as f:
+                self.where = {k: "model.safetensors" for k in f.keys()}
+        else:
+            raise CheckpointError(
+                f"{folder} has neither model.safetensors nor model.safetensors.index.json"
+            )
+        self._open_name, self._open = None, None
+
+    def _file(self, name: str):
+        from safetensors import safe_open
+
+        fname = self.where[name]
+        if fname != self._open_name:
+            self.close()
+            self._open = safe_open(str(self.folder / fname), framework="pt")
+            self._open_name = fname
+        return self._open
+
+    def close(self) -> None:
+        if self._open is not None:
+            self._open.__exit__(None, None, None)  # releases the mapping
+        self._open_name, self._open = None, None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._file(name).get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        from safetensors.torch import _getdtype
+
+        return _getdtype(self._file(name).get_slice(name).get_dtype())
+
+    def read(self, name: str, region: tuple[slice, ...]) -> torch.Tensor:
+        view = self._file(name).get_slice(name)
+        return view[region] if region else view[:]
+
+
+def resolve_source(files: HFFiles, src: HFTensor, ours: str) -> HFTensor:
+    """`src` with a tied matrix's stand-in when its own tensor is absent; one error naming
+    every HF tensor missing."""
+    if src.names and src.names[0] not in files.where and src.tied in files.where:
+        return dataclasses.replace(src, names=(src.tied,), tied=None)
+    missing = [n for n in src.names if n not in files.where]
+    if missing:
+        raise CheckpointError(
+            f"{files.folder}: no tensor {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
+            f" (for our '{ours}'): the folder does not hold this model"
+        )
+    return src
+
+
+def read_slice(
+    files: HFFiles, src: HFTensor, offsets: tuple[int, ...], shape: tuple[int, ...]
+) -> torch.Tensor:
+    """The slice [offsets, offsets + shape) of our tensor that `src` describes, reading from
+    the files only the HF slices it is made of (a permuted row range: the HF rows it spans)."""
+    region = tuple(slice(o, o + n) for o, n in zip(offsets, shape))
+    if not src.names:
+        return torch.zeros(shape)
+    if src.stacked:
+        parts = [files.read(src.names[j], region[1:]) for j in range(offsets[0], offsets[0] + shape[0])]
+        return torch.stack(parts) if parts else torch.empty(shape, dtype=files.dtype(src.names[0]))
+    if src.rows is None or not shape or shape[0] == 0:
+        return files.read(src.names[0], region)
+    hf_rows = src.rows(torch.arange(offsets[0], offsets[0] + shape[0]))
+    lo, hi = int(hf_rows.min()), int(hf_rows.max()) + 1
+    block = files.read(src.names[0], (slice(lo, hi), *region[1:]))
+    return block.index_select(0, hf_rows - lo)
+
+
+def to_hf_tensors(src: HFTensor, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Our full tensor -> the HF tensors `src` says it is (none for a tensor HF lacks)."""
+    if not src.names:
+        return {}
+    if src.stacked:
+        return {name: t[j] for j, name in enumerate(src.names)}
+    if src.rows is None:
+        return {src.names[0]: t}
+    out = torch.empty_like(t)
+    out[src.rows(torch.arange(len(t)))] = t
+    return {src.names[0]: out}
+
+
+def tensor_map(spec, args) -> Callable[[str], HFTensor]:
+    """(our tensor name) -> HFTensor for a family, or one error when its adapter lacks it."""
+    adapter = hf_adapter(spec)
+    if adapter.tensor is None:
+        raise CheckpointError(
+            f"model family '{spec.name}': its HFAdapter has no `tensor` description (where each "
+            "of its tensors is in Hugging Face files), which streaming conversion and runs "
+            "loading or saving Hugging Face folders need: add one (models/contract.py HFTensor)"
+        )
+    return lambda name: adapter.tensor(name, args)
+
+
+def check_hf_names(files: HFFiles, sources: dict[str, HFTensor]) -> None:
+    """Every HF tensor of the folder is one of ours (rotary caches aside)."""
+    used = {n for s in sources.values() for n in (*s.names, *([s.tied] if s.tied else []))}
+    extra = sorted(n for n in files.where if n not in used and not n.endswith("rotary_emb.inv_freq"))
+    if extra:
+        raise CheckpointError(
+            f"{files.folder}: unexpected tensors {extra[:10]}: the folder does not hold this "
+            "model (a different family, layer count or expert count?)"
+        )
+
+
 # ------------------------------------------------------------------------------------ DCP
 def read_dcp_model(path: Path) -> dict[str, torch.Tensor]:
     """The full (unsharded) `model.*` tensors of a checkpoint, in one process on CPU."""
@@ -120,12 +254,24 @@ def _families():
     return all_model_specs()
 
 
-def write_dcp_model(sd: dict[str, torch.Tensor], out_folder: Path, layout: dict) -> Path:
-    """A model-only `step-0` checkpoint in `out_folder`, committed like a training save."""
+def write_dcp_model(
+    sd: dict[str, torch.Tensor], out_folder: Path, layout: dict, produce: Callable | None = None
+) -> Path:
+    """A model-only `step-0` checkpoint in `out_folder`, committed like a training save.
+    With `produce` (our name -> tensor), `sd` holds meta tensors of the shapes and dtypes to
+    write and each tensor is made when DCP writes it, into a file of its own, then dropped."""
     final = step_dir(Path(out_folder), 0)
     tmp = prepare_tmp(final)
     with single_process():
-        dcp.save({"model": sd}, checkpoint_id=str(tmp), no_dist=True)
+        if produce is None:
+            dcp.save({"model": sd}, checkpoint_id=str(tmp), no_dist=True)
+        else:
+            dcp.save(
+                {"model": sd},
+                storage_writer=FileSystemWriter(str(tmp), single_file_per_rank=False),
+                planner=_ProducingPlanner(produce),
+                no_dist=True,
+            )
     commit(
         tmp,
         final,
@@ -140,6 +286,120 @@ def write_dcp_model(sd: dict[str, torch.Tensor], out_folder: Path, layout: dict)
         },
     )
     return final
+
+
+class _ProducingPlanner(DefaultSavePlanner):
+    """DCP's save planner, with each tensor made when the writer asks for it: DCP plans from
+    shapes and dtypes only, and its writer resolves items one at a time on CPU (and, with
+    `single_file_per_rank=False`, keeps one item per file: it holds a file's tensors until the
+    file is closed)."""
+
+    def __init__(self, produce: Callable[[str], torch.Tensor]):
+        super().__init__(dedup_save_to_lowest_rank=False)
+        self.produce = produce
+
+    def resolve_data(self, write_item):
+        return self.produce(write_item.index.fqn.removeprefix("model."))
+
+
+def stream_hf_to_dcp(folder: Path, spec, args, output: Path, layout: dict, dtype=None) -> dict:
+    """A Hugging Face folder -> a model-only DCP checkpoint, one tensor in memory at a time.
+    Returns {our name: (shape, dtype)} of what was written."""
+    files = HFFiles(folder)
+    where = tensor_map(spec, args)
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in spec.model_cls(args).state_dict().items()}
+    sources = {n: resolve_source(files, where(n), n) for n in shapes}
+    check_hf_names(files, sources)
+    bad = []
+    for n, src in sources.items():
+        want = shapes[n][1:] if src.stacked else shapes[n]
+        got = {files.shape(h) for h in src.names}
+        if got - {want}:
+            bad.append(f"{src.names[0]}: {sorted(got)[0]} where {n} needs {want}")
+    if bad:
+        raise CheckpointError(f"{folder}: tensors of the wrong shape: {'; '.join(bad[:6])}")
+    dtypes = {n: dtype or (files.dtype(s.names[0]) if s.names else torch.float32)
+              for n, s in sources.items()}  # fmt: skip
+    meta = {n: torch.empty(shapes[n], dtype=dtypes[n], device="meta") for n in shapes}
+
+    def produce(n: str) -> torch.Tensor:
+        return read_slice(files, sources[n], (0,) * len(shapes[n]), shapes[n]).to(dtypes[n])
+
+    try:
+        write_dcp_model(meta, output, layout, produce)
+    finally:
+        files.close()
+    return {n: (shapes[n], dtypes[n]) for n in shapes}
+
+
+def stream_dcp_to_hf(
+    path: Path, spec, args, output: Path, dtype=None, max_shard_bytes: int = 5 * 2**30
+) -> tuple[list[str], dict[str, tuple], torch.dtype]:
+    """A checkpoint's model -> Hugging Face safetensors in `output`, one output file in memory
+    at a time: our tensors are read from DCP file by file of the output (a tensor larger
+    than max_shard_bytes gets a file of its own). Returns (file names, {HF name: shape},
+    the dtype written)."""
+    from safetensors.torch import save_file
+
+    where = tensor_map(spec, args)
+    md = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    ours = {k[len("model.") :]: m for k, m in md.items()
+            if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}  # fmt: skip
+    if not ours:
+        raise CheckpointError(f"{path} holds no model weights")
+    groups: list[list[str]] = [[]]
+    size, absent = 0, []
+    for n, m in ours.items():
+        if not where(n).names:
+            absent.append(n)
+            continue
+        nbytes = math.prod(m.size) * (dtype or m.properties.dtype).itemsize
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(n)
+        size += nbytes
+    if absent:
+        nonzero = [n for n, t in _read_dcp(path, absent, ours).items() if t.any()]
+        if nonzero:
+            warnings.warn(
+                f"{', '.join(nonzero)} {'is' if len(nonzero) == 1 else 'are'} non-zero but "
+                "Hugging Face's model has no such tensor: the export leaves them out",
+                stacklevel=2,
+            )
+    output.mkdir(parents=True, exist_ok=True)
+    names, weight_map, shapes, total, out_dtype = [], {}, {}, 0, None
+    for i, group in enumerate(groups):
+        fname = (
+            "model.safetensors"
+            if len(groups) == 1
+            else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        )
+        hf = {}
+        for n, t in _read_dcp(path, group, ours).items():
+            hf.update(to_hf_tensors(where(n), t.to(dtype) if dtype else t))
+        hf = {k: v.contiguous() for k, v in hf.items()}
+        save_file(hf, str(output / fname), metadata={"format": "pt"})
+        names.append(fname)
+        for k, v in hf.items():
+            weight_map[k], shapes[k] = fname, tuple(v.shape)
+            total += v.numel() * v.element_size()
+            out_dtype = out_dtype or v.dtype
+        del hf
+    if len(groups) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (output / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return names, shapes, out_dtype
+
+
+def _read_dcp(path: Path, names: list[str], md: dict) -> dict[str, torch.Tensor]:
+    """Some of a checkpoint's model tensors, in full, in one process (DCP reads only them)."""
+    sd = {f"model.{n}": torch.empty(tuple(md[n].size), dtype=md[n].properties.dtype)
+          for n in names}  # fmt: skip
+    with single_process():
+        dcp.load(sd, storage_reader=FileSystemReader(str(path)), no_dist=True)
+    return {k[len("model.") :]: v for k, v in sd.items()}
 
 
 def total_bytes(sd: dict[str, torch.Tensor]) -> int:
