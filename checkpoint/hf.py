@@ -206,6 +206,101 @@ def check_hf_names(files: HFFiles, sources: dict[str, HFTensor]) -> None:
         )
 
 
+def fill_from_hf(msd: dict, folder: Path, spec, args) -> None:
+    """Fills a live model's state dict (`get_model_state_dict`: full tensors, or DTensors in
+    any layout: FSDP, TP, EP shards, a pipeline stage's part) in place from a Hugging Face
+    folder: each rank reads only the HF slices its shards are made of (their global offsets
+    from DTensor's own placement arithmetic), one file open at a time."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    files = HFFiles(folder)
+    where = tensor_map(spec, args)
+    with torch.device("meta"):
+        every = spec.model_cls(args).state_dict().keys()  # all stages': the folder's names
+    check_hf_names(files, {n: resolve_source(files, where(n), n) for n in every})
+    sources = {n: resolve_source(files, where(n), n) for n in msd}
+    bad = []
+    for n, src in sources.items():
+        want = tuple(msd[n].shape[1:] if src.stacked else msd[n].shape)
+        got = {files.shape(h) for h in src.names}
+        if got - {want}:
+            bad.append(f"{src.names[0]}: {sorted(got)[0]} where {n} is {want}")
+        if src.stacked and len(src.names) != msd[n].shape[0]:
+            bad.append(f"{n}: {msd[n].shape[0]} rows, {len(src.names)} HF tensors")
+    if bad:
+        raise CheckpointError(
+            f"{folder} does not fit this run's model: {'; '.join(bad[:6])} (is the run's "
+            "[model] the checkpoint's? config.json says what it holds)"
+        )
+    by_file = sorted(msd, key=lambda n: files.where.get(next(iter(sources[n].names), ""), ""))
+    try:
+        with torch.no_grad():
+            for n in by_file:
+                t = msd[n]
+                if isinstance(t, DTensor):
+                    shape, offset = compute_local_shape_and_global_offset(
+                        t.shape, t.device_mesh, t.placements
+                    )
+                    local = t.to_local()
+                else:
+                    shape, offset, local = tuple(t.shape), (0,) * t.dim(), t
+                if local.numel():
+                    local.copy_(read_slice(files, sources[n], tuple(offset), tuple(shape)))
+    finally:
+        files.close()
+
+
+def hf_load_problems(folder: Path, spec, args, model_only: bool) -> list[str]:
+    """Before any process group: what stops a run from starting from the Hugging Face folder
+    `folder` (checkpoint.initial_load_path): the family's adapter, config.json's model and
+    its shapes against the run's (the vocabulary aside: the run's comes from its tokenizer)."""
+    where = f"checkpoint.initial_load_path = {folder} (a Hugging Face folder)"
+    if not model_only:
+        return [f"{where} holds weights only: set checkpoint.initial_load_model_only = true"]
+    try:
+        tensor_map(spec, args)
+        check_hf_config(folder, spec, args, spec.function_args)
+        theirs = spec.hf.args_from_config(json.loads((Path(folder) / "config.json").read_text()))
+    except CheckpointError as e:
+        return [f"{where}: {e}"]
+    theirs = dataclasses.replace(theirs, vocab_size=args.vocab_size)
+    with torch.device("meta"):
+        mine = {k: tuple(v.shape) for k, v in spec.model_cls(args).state_dict().items()}
+        other = {k: tuple(v.shape) for k, v in spec.model_cls(theirs).state_dict().items()}
+    bad = [f"{k}: {other.get(k)} there, {mine.get(k)} here"
+           for k in sorted(mine.keys() | other.keys()) if mine.get(k) != other.get(k)]  # fmt: skip
+    if bad:
+        return [
+            f"{where}: config.json's model has other shapes than the run's [model] "
+            f"({'; '.join(bad[:4])}): set [model] to the checkpoint's shape"
+        ]
+    return []
+
+
+def check_hf_config(folder: Path, spec, args, function_args=()) -> None:
+    """config.json describes this family and the run's model: the same model_type, and the
+    same values of the args the weights' functions depend on (RoPE, norms)."""
+    adapter = hf_adapter(spec)
+    config = json.loads((Path(folder) / "config.json").read_text())
+    if config.get("model_type") != adapter.model_type:
+        raise CheckpointError(
+            f"{folder}/config.json model_type = {config.get('model_type')!r}, but the run's "
+            f"model.name = {spec.name} reads {adapter.model_type!r} checkpoints"
+        )
+    try:
+        theirs = adapter.args_from_config(config)
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"{folder}/config.json: {e}") from None
+    diff = [f"{k} = {getattr(theirs, k)} there, {getattr(args, k)} here"
+            for k in function_args if getattr(theirs, k, None) != getattr(args, k, None)]  # fmt: skip
+    if diff:
+        raise CheckpointError(
+            f"{folder}/config.json differs from the run's model: {'; '.join(diff)} (set the "
+            "run's [model] to the checkpoint's values)"
+        )
+
+
 # ------------------------------------------------------------------------------------ DCP
 def read_dcp_model(path: Path) -> dict[str, torch.Tensor]:
     """The full (unsharded) `model.*` tensors of a checkpoint, in one process on CPU."""

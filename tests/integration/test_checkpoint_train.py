@@ -472,3 +472,59 @@ def test_converted_hf_model_loads_under_tp_and_fsdp(tmp_path):
         logits = hf(inputs).logits
     want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).item()
     assert losses(dump)[1] == pytest.approx(want, rel=1e-4)
+
+
+def hf_folder_for_run(folder: Path, family: str, **overrides) -> float:
+    """A random Hugging Face checkpoint (sharded safetensors: several files, an index) of the
+    run's shape (TINY_SHAPE on the family's debugmodel, the sample tokenizer's vocabulary),
+    written by transformers itself; returns its loss on the run's first global batch."""
+    import dataclasses
+
+    transformers = pytest.importorskip("transformers")
+    from data.dataloader import build_dataloader
+    from data.sample_corpus import default_cache_dir, ensure_sample_tokenizer
+    from data.tokenizer import build_tokenizer
+    from models import get_model_spec
+
+    tokenizer = build_tokenizer(ensure_sample_tokenizer(default_cache_dir()))
+    spec = get_model_spec(family)
+    args = dataclasses.replace(
+        spec.flavors["debugmodel"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+        vocab_size=tokenizer.vocab_size, **overrides,
+    )  # fmt: skip
+    config = transformers.AutoConfig.for_model(**spec.hf.config_from_args(args, torch.float32))
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    hf.save_pretrained(folder, max_shard_size="60KB")
+    assert len(list(folder.glob("*.safetensors"))) > 2
+    loader = build_dataloader(
+        dataset="sample", dataset_path="", tokenizer=tokenizer, seq_len=32, local_batch_size=8,
+        dp_rank=0, dp_degree=1, shuffle_seed=0,
+    )  # fmt: skip
+    inputs, labels = next(iter(loader))
+    with torch.no_grad():
+        logits = hf(inputs).logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).item()
+
+
+@pytest.mark.parametrize(
+    "family,layout,extra",
+    [
+        ("llama3", "tp2_fsdp2", []),
+        ("qwen3_moe", "fsdp2", ["--parallelism.expert_parallel_degree", "2"]),
+    ],
+)
+def test_hf_folder_loads_directly_into_a_sharded_run(tmp_path, family, layout, extra):
+    """checkpoint.initial_load_path = a Hugging Face folder: every rank reads only its slices
+    (TP 2 x FSDP 2 for Llama, EP 2 for Qwen3-MoE); the step-1 loss equals the one-process run's
+    from the same folder, and the HF model's own loss on that batch."""
+    want = hf_folder_for_run(tmp_path / "hf", family)
+    model = ["--model.name", family, "--model.flavor", "debugmodel"]
+    start = ["--training.steps", "1", "--checkpoint.interval", "5",
+             "--checkpoint.initial_load_path", str(tmp_path / "hf")]  # fmt: skip
+    ok(train(tmp_path / "one", "single", *model, *start))
+    ok(train(tmp_path / "many", layout, *model, *extra, *start))
+    assert "loaded the weights of Hugging Face folder" in log_text(tmp_path / "many")
+    one, many = losses(tmp_path / "one")[1], losses(tmp_path / "many")[1]
+    assert many == pytest.approx(one, rel=1e-5)
+    assert one == pytest.approx(want, rel=1e-4)

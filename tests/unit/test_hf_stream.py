@@ -132,3 +132,33 @@ def test_hf_index_lists_every_tensor(tmp_path):
     write_hf_weights(hf, tmp_path, max_shard_bytes=50_000)
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(hf) == set(HFFiles(tmp_path).where)
+
+
+def hf_folder(folder, name: str, **overrides):
+    spec, args = family(name)
+    args = dataclasses.replace(args, **overrides)
+    write_hf_weights(spec.hf.to_hf(random_state(spec, args), args), folder)
+    (folder / "config.json").write_text(json.dumps(spec.hf.config_from_args(args, torch.float32)))
+    return folder
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--model.dim", "128"], "config.json's model has other shapes than the run's"),
+        (["--checkpoint.initial_load_model_only", "false"], "holds weights only"),
+        (["--model.name", "qwen3"], "model_type = 'llama', but the run's model.name = qwen3"),
+    ],
+)
+def test_a_run_refuses_an_hf_folder_that_does_not_fit_before_any_process_group(
+    tmp_path, argv, message
+):
+    from job_config.loader import parse_args
+    from job_config.problems import ConfigError
+    from training.preflight import check_config
+
+    folder = hf_folder(tmp_path / "hf", "llama3")
+    base = ["--checkpoint.enable", "true", "--checkpoint.initial_load_path", str(folder)]
+    check_config(parse_args(base), 1)  # the debug model's own shape: fine
+    with pytest.raises(ConfigError, match=message):
+        check_config(parse_args([*base, *argv]), 1)
