@@ -301,6 +301,103 @@ def check_hf_config(folder: Path, spec, args, function_args=()) -> None:
         )
 
 
+# Files of a Hugging Face tokenizer, copied into an export when they sit beside the run's
+# tokenizer file (a tiktoken or sentencepiece file alone is not one transformers reads).
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def save_hf(
+    msd: dict,
+    final: Path,
+    spec,
+    args,
+    dtype: torch.dtype,
+    *,
+    group=None,
+    tokenizer_path: str = "",
+    max_shard_bytes: int = 5 * 2**30,
+) -> Path:
+    """A live model's state dict (full tensors or DTensors in any layout; every rank of
+    `group` calls this) -> a Hugging Face folder `final`: config.json, safetensors shards with
+    an index, the tokenizer's files. One tensor at a time is gathered (`full_tensor`, on the
+    ranks that hold it) and written by the lowest rank holding it, into files of its own of at
+    most max_shard_bytes; so a rank holds at most one gathered tensor and one file's worth.
+    Rank 0 then names the files model-0000i-of-0000N, writes the index and commits the folder
+    (a .tmp folder renamed)."""
+    import shutil
+
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+    from torch.distributed.tensor import DTensor
+
+    where = tensor_map(spec, args)
+    distributed = dist.is_initialized() and dist.get_world_size(group) > 1
+    rank = dist.get_rank(group) if distributed else 0
+    names = sorted(n for n in msd if where(n).names)
+
+    def gather(obj) -> list:
+        if not distributed:
+            return [obj]
+        out = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+    writer: dict[str, int] = {}
+    for r, held in enumerate(gather(names)):
+        for n in held:
+            writer.setdefault(n, r)
+    tmp = final.with_name(final.name + ".tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    gather(None)  # the folder exists before anyone writes
+    files: dict[str, dict[str, tuple]] = {}  # my file -> {HF name: (shape)}
+    shard: dict[str, torch.Tensor] = {}
+
+    def flush() -> None:
+        fname = f"part-{rank:05d}-{len(files):05d}.safetensors"
+        save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+        files[fname] = {k: tuple(v.shape) for k, v in shard.items()}
+        shard.clear()
+
+    for n in names:
+        t = msd[n]
+        full = t.full_tensor() if isinstance(t, DTensor) else t  # the ranks holding it: all
+        if writer[n] != rank:
+            continue
+        # a copy: a tied matrix is one parameter under two names, which safetensors refuses
+        hf = to_hf_tensors(where(n), full.detach().to("cpu", dtype, copy=True))
+        nbytes = sum(v.numel() * v.element_size() for v in hf.values())
+        held = sum(v.numel() * v.element_size() for v in shard.values())
+        if shard and held + nbytes > max_shard_bytes:
+            flush()
+        shard.update({k: v.contiguous() for k, v in hf.items()})
+        del full, hf
+    if shard:
+        flush()
+    everyone = gather(files)
+    if rank == 0:
+        parts = [f for per_rank in everyone for f in per_rank.items()]
+        weight_map, total = {}, 0
+        for i, (fname, tensors) in enumerate(parts):
+            new = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
+            (tmp / fname).rename(tmp / new)
+            weight_map.update({k: new for k in tensors})
+            total += sum(math.prod(s) for s in tensors.values()) * dtype.itemsize
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        config = hf_adapter(spec).config_from_args(args, dtype)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        beside = Path(tokenizer_path).parent if tokenizer_path else None
+        for name in HF_TOKENIZER_FILES if beside else ():
+            if (beside / name).is_file():
+                shutil.copy2(beside / name, tmp / name)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+    gather(None)  # committed before anyone goes on
+    return final
+
+
 # ------------------------------------------------------------------------------------ DCP
 def read_dcp_model(path: Path) -> dict[str, torch.Tensor]:
     """The full (unsharded) `model.*` tensors of a checkpoint, in one process on CPU."""

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from checkpoint.hf import check_hf_config, fill_from_hf, is_hf_folder
+from checkpoint.hf import check_hf_config, fill_from_hf, is_hf_folder, save_hf
 from checkpoint.staging import HostCopyStager
 from checkpoint.state import (
     COMPONENTS,
@@ -318,6 +318,10 @@ class CheckpointManager:
 
     def maybe_save(self, step: int) -> None:
         self._poll()
+        ck = self.ckpt
+        last = step == self.cfg.training.steps
+        if ck.hf_export and (last or (ck.hf_export_interval and step % ck.hf_export_interval == 0)):
+            self.save_hf(step)
         if not self.due(step):
             return
         last_step = step == self.cfg.training.steps
@@ -333,6 +337,30 @@ class CheckpointManager:
                 export_dtype=DTYPES[self.ckpt.export_dtype],
                 use_async=False,
             )
+
+    def save_hf(self, step: int) -> Path:
+        """The weights in Hugging Face format in <folder>/hf-step-N (checkpoint.hf_export),
+        one tensor gathered at a time (checkpoint/hf.py `save_hf`); synchronous."""
+        t0 = time.perf_counter()
+        spec = get_model_spec(self.cfg.model.name)
+        final = save_hf(
+            self._state(["model"])["model"],
+            self.folder / f"hf-step-{step}",
+            spec,
+            getattr(self.model_parts[0], "args", None),
+            DTYPES[self.ckpt.hf_export_dtype],
+            group=self.pg if self.distributed else None,
+            tokenizer_path=self.cfg.model.tokenizer_path,
+        )
+        self._log(
+            logging.INFO,
+            "checkpoint: Hugging Face export of step %s in %s (%s) in %.1f s",
+            step,
+            final,
+            self.ckpt.hf_export_dtype,
+            time.perf_counter() - t0,
+        )
+        return final
 
     def save(self, step: int) -> None:
         """A full checkpoint at `step` now, off the interval (e.g. when a stop is requested);

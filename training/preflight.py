@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from checkpoint.hf import hf_load_problems, is_hf_folder
+from checkpoint.hf import hf_load_problems, is_hf_folder, tensor_map
+from checkpoint.storage import CheckpointError
 from job_config.checks import validate
 from job_config.loader import parse_args
 from job_config.problems import ConfigError, Problems
@@ -141,6 +142,11 @@ def _check_model(cfg: JobConfig, args, problems: Problems) -> None:
             Path(ck.initial_load_path), spec, args, ck.initial_load_model_only
         ):
             problems.add(problem)
+    if ck.enable and ck.hf_export:
+        try:
+            tensor_map(spec, args)
+        except CheckpointError as e:
+            problems.add(f"checkpoint.hf_export = true: {e}")
     ac = cfg.activation_checkpoint
     problems.run(
         validate_pipeline_config,

@@ -528,3 +528,49 @@ def test_hf_folder_loads_directly_into_a_sharded_run(tmp_path, family, layout, e
     one, many = losses(tmp_path / "one")[1], losses(tmp_path / "many")[1]
     assert many == pytest.approx(one, rel=1e-5)
     assert one == pytest.approx(want, rel=1e-4)
+
+
+@pytest.mark.parametrize(
+    "family,layout,extra",
+    [
+        ("llama3", "tp2_fsdp2", []),
+        ("qwen3", "single", []),
+        ("qwen3_moe", "fsdp2", ["--parallelism.expert_parallel_degree", "2"]),
+        ("gemma2", "single", []),
+        ("gemma3", "fsdp2", []),
+    ],
+)
+def test_hf_export_loads_in_transformers_with_the_trained_logits(tmp_path, family, layout, extra):
+    """checkpoint.hf_export: the trained weights as a Hugging Face folder (one tensor gathered
+    at a time, written by the lowest rank holding it) that transformers loads with no missing
+    or unexpected tensor and whose logits are the trained model's (its final DCP checkpoint)."""
+    transformers = pytest.importorskip("transformers")
+    from checkpoint.hf import model_from_layout, read_dcp_model
+
+    dump = tmp_path / "run"
+    ok(
+        train(
+            dump, layout, "--model.name", family, "--model.flavor", "debugmodel", *extra,
+            "--training.steps", "2", "--checkpoint.interval", "2", "--checkpoint.hf_export",
+            "true", "--checkpoint.hf_export_interval", "1", "--checkpoint.hf_export_dtype",
+            "float32",
+        )
+    )  # fmt: skip
+    folder = dump / "checkpoint"
+    assert (folder / "hf-step-1").is_dir() and (folder / "hf-step-2").is_dir()
+    index = json.loads((folder / "hf-step-2" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) >= 1
+    spec, args = model_from_layout(folder / "step-2")
+    ours = spec.model_cls(args)
+    ours.load_state_dict(read_dcp_model(folder / "step-2"), strict=False)
+    ours.init_buffers("cpu")
+    ours.eval()
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(
+        folder / "hf-step-2", output_loading_info=True
+    )
+    assert not any(info.values()), info
+    tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = hf.float().eval()(tokens).logits
+        mine = ours(tokens)
+    torch.testing.assert_close(theirs, getattr(mine, "logits", mine), rtol=1e-4, atol=1e-4)
