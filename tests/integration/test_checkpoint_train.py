@@ -574,3 +574,32 @@ def test_hf_export_loads_in_transformers_with_the_trained_logits(tmp_path, famil
         theirs = hf.float().eval()(tokens).logits
         mine = ours(tokens)
     torch.testing.assert_close(theirs, getattr(mine, "logits", mine), rtol=1e-4, atol=1e-4)
+
+
+def test_hf_export_carries_the_runs_hugging_face_tokenizer(tmp_path):
+    """A run whose tokenizer is a tokenizer.json exports it beside the weights: transformers
+    reads it from the export and encodes as the run's tokenizer does."""
+    transformers = pytest.importorskip("transformers")
+    import tokenizers
+    from hf_tokenizer_files import HF_WORDS, qwen_like_tokenizer
+
+    tok = qwen_like_tokenizer(tmp_path / "tok")
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(20):
+        (docs / f"doc{i}.txt").write_text(" ".join(HF_WORDS[(i + 3 * j) % 10] for j in range(60)))
+    dump = tmp_path / "run"
+    ok(
+        train(
+            dump, "single", "--model.name", "qwen3", "--model.tokenizer_path", str(tok),
+            "--training.dataset", "text", "--training.dataset_path", str(docs),
+            "--training.steps", "1", "--checkpoint.hf_export", "true",
+        )
+    )  # fmt: skip
+    export = dump / "checkpoint" / "hf-step-1"
+    assert (export / "tokenizer.json").is_file()
+    theirs = transformers.PreTrainedTokenizerFast.from_pretrained(export)
+    text = "the model and the mesh shard the loss"
+    assert theirs(text)["input_ids"] == tokenizers.Tokenizer.from_file(str(tok)).encode(text).ids
+    config = json.loads((export / "config.json").read_text())
+    assert config["vocab_size"] == theirs.vocab_size and config["torch_dtype"] == "bfloat16"
