@@ -183,6 +183,11 @@ def to_hf_tensors(src: HFTensor, t: torch.Tensor) -> dict[str, torch.Tensor]:
     return {src.names[0]: out}
 
 
+def hf_layout(src: HFTensor, shape: tuple[int, ...], dtype) -> dict[str, tuple]:
+    """{HF name: (shape, dtype)} of the HF tensors `to_hf_tensors` makes of one of ours."""
+    return {k: (shape[1:] if src.stacked else shape, dtype) for k in src.names}
+
+
 def tensor_map(spec, args) -> Callable[[str], HFTensor]:
     """(our tensor name) -> HFTensor for a family, or one error when its adapter lacks it."""
     adapter = hf_adapter(spec)
@@ -320,14 +325,14 @@ def save_hf(
     """A live model's state dict (full tensors or DTensors in any layout; every rank of
     `group` calls this) -> a Hugging Face folder `final`: config.json, safetensors shards with
     an index, the tokenizer's files. One tensor at a time is gathered (`full_tensor`, on the
-    ranks that hold it) and written by the lowest rank holding it, into files of its own of at
-    most max_shard_bytes; so a rank holds at most one gathered tensor and one file's worth.
+    ranks that hold it) and written at once by the lowest rank holding it, into files of its
+    own of at most max_shard_bytes (`SafetensorsWriter`); so a rank holds at most one gathered
+    tensor.
     Rank 0 then names the files model-0000i-of-0000N, writes the index and commits the folder
     (a .tmp folder renamed)."""
     import shutil
 
     import torch.distributed as dist
-    from safetensors.torch import save_file
     from torch.distributed.tensor import DTensor
 
     where = tensor_map(spec, args)
@@ -351,30 +356,37 @@ def save_hf(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     gather(None)  # the folder exists before anyone writes
-    files: dict[str, dict[str, tuple]] = {}  # my file -> {HF name: (shape)}
-    shard: dict[str, torch.Tensor] = {}
-
-    def flush() -> None:
-        fname = f"part-{rank:05d}-{len(files):05d}.safetensors"
-        save_file(shard, str(tmp / fname), metadata={"format": "pt"})
-        files[fname] = {k: tuple(v.shape) for k, v in shard.items()}
-        shard.clear()
-
-    for n in names:
-        t = msd[n]
-        full = t.full_tensor() if isinstance(t, DTensor) else t  # the ranks holding it: all
-        if writer[n] != rank:
-            continue
-        # a copy: a tied matrix is one parameter under two names, which safetensors refuses
-        hf = to_hf_tensors(where(n), full.detach().to("cpu", dtype, copy=True))
-        nbytes = sum(v.numel() * v.element_size() for v in hf.values())
-        held = sum(v.numel() * v.element_size() for v in shard.values())
-        if shard and held + nbytes > max_shard_bytes:
-            flush()
-        shard.update({k: v.contiguous() for k, v in hf.items()})
-        del full, hf
-    if shard:
-        flush()
+    # my files, planned from the global shapes: {file: {HF name: (shape, dtype)}}
+    plan: dict[str, dict] = {}
+    file_of: dict[str, str] = {}
+    size = 0
+    for n in (n for n in names if writer[n] == rank):
+        layout = hf_layout(where(n), tuple(msd[n].shape), dtype)
+        nbytes = sum(math.prod(s) * dtype.itemsize for s, _ in layout.values())
+        if not plan or (size and size + nbytes > max_shard_bytes):
+            plan[f"part-{rank:05d}-{len(plan):05d}.safetensors"] = {}
+            size = 0
+        fname = next(reversed(plan))
+        plan[fname].update(layout)
+        file_of[n], size = fname, size + nbytes
+    out = None
+    try:
+        for n in names:
+            t = msd[n]
+            full = t.full_tensor() if isinstance(t, DTensor) else t  # every rank holding it
+            if writer[n] != rank:
+                continue
+            if out is None or out.path.name != file_of[n]:
+                if out is not None:
+                    out.__exit__(None, None, None)
+                out = SafetensorsWriter(tmp / file_of[n], plan[file_of[n]])
+            for k, v in to_hf_tensors(where(n), full.detach().to("cpu", dtype)).items():
+                out.write(k, v)
+            del full
+    finally:
+        if out is not None:
+            out.__exit__(None, None, None)
+    files = {f: {k: s for k, (s, _) in layout.items()} for f, layout in plan.items()}
     everyone = gather(files)
     if rank == 0:
         parts = [f for per_rank in everyone for f in per_rank.items()]
@@ -528,12 +540,10 @@ def stream_hf_to_dcp(folder: Path, spec, args, output: Path, layout: dict, dtype
 def stream_dcp_to_hf(
     path: Path, spec, args, output: Path, dtype=None, max_shard_bytes: int = 5 * 2**30
 ) -> tuple[list[str], dict[str, tuple], torch.dtype]:
-    """A checkpoint's model -> Hugging Face safetensors in `output`, one output file in memory
-    at a time: our tensors are read from DCP file by file of the output (a tensor larger
-    than max_shard_bytes gets a file of its own). Returns (file names, {HF name: shape},
-    the dtype written)."""
-    from safetensors.torch import save_file
-
+    """A checkpoint's model -> Hugging Face safetensors in `output`, one tensor in memory at a
+    time: each output file's header is planned from the DCP metadata (a tensor larger than
+    max_shard_bytes gets a file of its own), then our tensors are read from DCP one by one and
+    written. Returns (file names, {HF name: shape}, the dtype written)."""
     where = tensor_map(spec, args)
     md = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     ours = {k[len("model.") :]: m for k, m in md.items()
@@ -568,21 +578,68 @@ def stream_dcp_to_hf(
             if len(groups) == 1
             else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         )
-        hf = {}
-        for n, t in _read_dcp(path, group, ours).items():
-            hf.update(to_hf_tensors(where(n), t.to(dtype) if dtype else t))
-        hf = {k: v.contiguous() for k, v in hf.items()}
-        save_file(hf, str(output / fname), metadata={"format": "pt"})
+        layout = {}  # the file's HF tensors, known from the DCP metadata before any is read
+        for n in group:
+            layout.update(hf_layout(where(n), tuple(ours[n].size), dtype or ours[n].properties.dtype))
+        with SafetensorsWriter(output / fname, layout) as f:
+            for n in group:  # one of our tensors in memory at a time
+                t = _read_dcp(path, [n], ours)[n]
+                for k, v in to_hf_tensors(where(n), t.to(dtype) if dtype else t).items():
+                    f.write(k, v)
+                del t
         names.append(fname)
-        for k, v in hf.items():
-            weight_map[k], shapes[k] = fname, tuple(v.shape)
-            total += v.numel() * v.element_size()
-            out_dtype = out_dtype or v.dtype
-        del hf
+        for k, (shape, dt) in layout.items():
+            weight_map[k], shapes[k] = fname, shape
+            total += math.prod(shape) * dt.itemsize
+            out_dtype = out_dtype or dt
     if len(groups) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (output / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return names, shapes, out_dtype
+
+
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+                       torch.float64: "F64", torch.int64: "I64", torch.int32: "I32"}  # fmt: skip
+
+
+class SafetensorsWriter:
+    """A safetensors file written tensor by tensor: the header (every tensor's name, dtype,
+    shape and byte range) first, then each tensor's bytes as it comes, in the header's order.
+    safetensors' own `save_file` takes the whole dict and serialises the file in memory before
+    writing it (twice the file at peak); the format is a little-endian u64 header length, the
+    JSON header and the raw bytes, so writing it directly keeps one tensor in memory."""
+
+    def __init__(self, path: Path, layout: dict[str, tuple[tuple[int, ...], torch.dtype]]):
+        self.path, self.order, self.layout = Path(path), list(layout), layout
+        header, start = {"__metadata__": {"format": "pt"}}, 0
+        for name, (shape, dtype) in layout.items():
+            end = start + math.prod(shape) * dtype.itemsize
+            header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                            "data_offsets": [start, end]}  # fmt: skip
+            start = end
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors does
+        self.file = open(self.path, "wb")
+        self.file.write(len(text).to_bytes(8, "little") + text)
+        self.next = 0
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        shape, dtype = self.layout[name]
+        if self.order[self.next] != name or tuple(t.shape) != shape or t.dtype != dtype:
+            raise CheckpointError(
+                f"{self.path}: {name} {tuple(t.shape)} {t.dtype} written where the header "
+                f"expects {self.order[self.next]} {shape} {dtype}"
+            )
+        self.file.write(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().data)
+        self.next += 1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        self.file.close()
+        if kind is None and self.next != len(self.order):
+            raise CheckpointError(f"{self.path}: {self.order[self.next]} was never written")
 
 
 def _read_dcp(path: Path, names: list[str], md: dict) -> dict[str, torch.Tensor]:

@@ -1,7 +1,7 @@
 """A meshtrain DCP checkpoint (any layout; a step-N folder, an export, or a folder of them,
 whose latest is used) -> the Hugging Face layout of the family it records (Llama, Qwen3,
-Qwen3-MoE): config.json + safetensors. It streams: only one output file's tensors are in
-memory at a time (peak memory about twice --max_shard_gb, not the model; benchmarks/hf_stream).
+Qwen3-MoE): config.json + safetensors. It streams: one tensor is in memory at a time (peak
+memory about the largest tensor, not the model; benchmarks/hf_stream).
 
     python scripts/convert_to_hf.py CHECKPOINT OUTPUT [--dtype bfloat16] [--max_shard_gb 5]
 """

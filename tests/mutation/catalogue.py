@@ -542,4 +542,12 @@ MUTANTS = [
         "full = t.to_local() if isinstance(t, DTensor) else t",
         (f"{HF_EXPORT}[llama3-tp2_fsdp2-extra0]",),
     ),
+    Mutant(
+        "hf_safetensors_writer_offsets_from_zero",
+        "the streaming safetensors writer gives every tensor the byte range of the first",
+        "checkpoint/hf.py",
+        "                            \"data_offsets\": [start, end]}  # fmt: skip\n            start = end\n",
+        "                            \"data_offsets\": [start, end]}  # fmt: skip\n            start = 0\n",
+        (f"{HF_STREAM}::test_streamed_round_trip_is_exact[llama3]",),
+    ),
 ]
