@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from checkpoint.state import single_process
-from models.contract import HFTensor
 from checkpoint.storage import CheckpointError, commit, prepare_tmp, read_layout, step_dir
+from models.contract import HFTensor
 
 
 # ------------------------------------------------------------------------------ safetensors
@@ -160,7 +160,9 @@ def read_slice(
     if not src.names:
         return torch.zeros(shape)
     if src.stacked:
-        parts = [files.read(src.names[j], region[1:]) for j in range(offsets[0], offsets[0] + shape[0])]
+        parts = [
+            files.read(src.names[j], region[1:]) for j in range(offsets[0], offsets[0] + shape[0])
+        ]
         return torch.stack(parts) if parts else torch.empty(shape, dtype=files.dtype(src.names[0]))
     if src.rows is None or not shape or shape[0] == 0:
         return files.read(src.names[0], region)
@@ -203,7 +205,9 @@ def tensor_map(spec, args) -> Callable[[str], HFTensor]:
 def check_hf_names(files: HFFiles, sources: dict[str, HFTensor]) -> None:
     """Every HF tensor of the folder is one of ours (rotary caches aside)."""
     used = {n for s in sources.values() for n in (*s.names, *([s.tied] if s.tied else []))}
-    extra = sorted(n for n in files.where if n not in used and not n.endswith("rotary_emb.inv_freq"))
+    extra = sorted(
+        n for n in files.where if n not in used and not n.endswith("rotary_emb.inv_freq")
+    )
     if extra:
         raise CheckpointError(
             f"{files.folder}: unexpected tensors {extra[:10]}: the folder does not hold this "
@@ -580,7 +584,9 @@ def stream_dcp_to_hf(
         )
         layout = {}  # the file's HF tensors, known from the DCP metadata before any is read
         for n in group:
-            layout.update(hf_layout(where(n), tuple(ours[n].size), dtype or ours[n].properties.dtype))
+            layout.update(
+                hf_layout(where(n), tuple(ours[n].size), dtype or ours[n].properties.dtype)
+            )
         with SafetensorsWriter(output / fname, layout) as f:
             for n in group:  # one of our tensors in memory at a time
                 t = _read_dcp(path, [n], ours)[n]

@@ -199,7 +199,13 @@ def main() -> None:
                "hf_files": made["files"], "shard_gib": a.shard_gb}  # fmt: skip
         row["from_hf"] = measure(["convert_from_hf", str(work / "hf"), str(work / "dcp")])
         row["to_hf"] = measure(
-            ["convert_to_hf", str(work / "dcp"), str(work / "back"), "--max_shard_gb", str(a.shard_gb)]
+            [
+                "convert_to_hf",
+                str(work / "dcp"),
+                str(work / "back"),
+                "--max_shard_gb",
+                str(a.shard_gb),
+            ]
         )
         print(json.dumps(row), flush=True)
         results.append(row)

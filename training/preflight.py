@@ -135,8 +135,11 @@ def _check_model(cfg: JobConfig, args, problems: Problems) -> None:
             "use a family with experts",
         )
     ck = cfg.checkpoint
-    if ck.enable and ck.load_step < 0 and ck.initial_load_path and is_hf_folder(
-        Path(ck.initial_load_path)
+    if (
+        ck.enable
+        and ck.load_step < 0
+        and ck.initial_load_path
+        and is_hf_folder(Path(ck.initial_load_path))
     ):
         for problem in hf_load_problems(
             Path(ck.initial_load_path), spec, args, ck.initial_load_model_only

@@ -44,7 +44,9 @@ def hf_tensor(name: str, args: Qwen3MoEArgs) -> HFTensor:
     if m.group(2) == "expert_bias":
         return HFTensor(())
     proj = _EXPERT[m.group(2)[-2:]]
-    names = [f"model.layers.{m.group(1)}.mlp.experts.{j}.{proj}.weight" for j in range(args.n_experts)]
+    names = [
+        f"model.layers.{m.group(1)}.mlp.experts.{j}.{proj}.weight" for j in range(args.n_experts)
+    ]
     return HFTensor(tuple(names), stacked=True)
 
 

@@ -20,7 +20,9 @@ RESUME = "tests/unit/test_option_effects.py::test_resume_restores_every_counter"
 ATTN = "tests/unit/test_attention.py"
 GEMMA2_LOGITS = "tests/unit/test_gemma2.py::test_logits_match_transformers"
 HF_STREAM = "tests/unit/test_hf_stream.py"
-HF_LOAD = "tests/integration/test_checkpoint_train.py::test_hf_folder_loads_directly_into_a_sharded_run"
+HF_LOAD = (
+    "tests/integration/test_checkpoint_train.py::test_hf_folder_loads_directly_into_a_sharded_run"
+)
 HF_EXPORT = (
     "tests/integration/test_checkpoint_train.py::"
     "test_hf_export_loads_in_transformers_with_the_trained_logits"
@@ -521,8 +523,8 @@ MUTANTS = [
         "a slice of stacked experts is read from expert 0 on, whatever its offset (an EP rank "
         "or a shard of experts gets another rank's experts)",
         "checkpoint/hf.py",
-        "for j in range(offsets[0], offsets[0] + shape[0])]",
-        "for j in range(shape[0])]",
+        "for j in range(offsets[0], offsets[0] + shape[0])\n",
+        "for j in range(shape[0])\n",
         (f"{HF_STREAM}::test_any_slice_reads_as_the_same_slice_of_the_whole_import[qwen3_moe]",),
     ),
     Mutant(
@@ -546,8 +548,8 @@ MUTANTS = [
         "hf_safetensors_writer_offsets_from_zero",
         "the streaming safetensors writer gives every tensor the byte range of the first",
         "checkpoint/hf.py",
-        "                            \"data_offsets\": [start, end]}  # fmt: skip\n            start = end\n",
-        "                            \"data_offsets\": [start, end]}  # fmt: skip\n            start = 0\n",
+        '                            "data_offsets": [start, end]}  # fmt: skip\n            start = end\n',
+        '                            "data_offsets": [start, end]}  # fmt: skip\n            start = 0\n',
         (f"{HF_STREAM}::test_streamed_round_trip_is_exact[llama3]",),
     ),
 ]

@@ -686,7 +686,12 @@ EFFECTS: dict[str, Effect] = {
     "checkpoint.hf_export_interval": Effect(
         "4",
         saved_steps(range(1, 11)),
-        ["checkpoint/hf-step-10", "checkpoint/hf-step-4", "checkpoint/hf-step-8", "checkpoint/step-10"],
+        [
+            "checkpoint/hf-step-10",
+            "checkpoint/hf-step-4",
+            "checkpoint/hf-step-8",
+            "checkpoint/step-10",
+        ],
         (*CKPT, "--checkpoint.hf_export", "true"),
     ),
     "checkpoint.hf_export_dtype": Effect(
