@@ -512,11 +512,12 @@ def hf_folder_for_run(folder: Path, family: str, **overrides) -> float:
     [
         ("llama3", "tp2_fsdp2", []),
         ("qwen3_moe", "fsdp2", ["--parallelism.expert_parallel_degree", "2"]),
+        ("llama3", "pp2", []),
     ],
 )
 def test_hf_folder_loads_directly_into_a_sharded_run(tmp_path, family, layout, extra):
     """checkpoint.initial_load_path = a Hugging Face folder: every rank reads only its slices
-    (TP 2 x FSDP 2 for Llama, EP 2 for Qwen3-MoE); the step-1 loss equals the one-process run's
+    (TP 2 x FSDP 2 and PP 2 for Llama, EP 2 for Qwen3-MoE); the step-1 loss equals the one-process run's
     from the same folder, and the HF model's own loss on that batch."""
     want = hf_folder_for_run(tmp_path / "hf", family)
     model = ["--model.name", family, "--model.flavor", "debugmodel"]
@@ -538,6 +539,7 @@ def test_hf_folder_loads_directly_into_a_sharded_run(tmp_path, family, layout, e
         ("qwen3_moe", "fsdp2", ["--parallelism.expert_parallel_degree", "2"]),
         ("gemma2", "single", []),
         ("gemma3", "fsdp2", []),
+        ("llama3", "pp2", []),
     ],
 )
 def test_hf_export_loads_in_transformers_with_the_trained_logits(tmp_path, family, layout, extra):
