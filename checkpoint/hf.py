@@ -5,18 +5,23 @@ and config.json map to Hugging Face's is the family's `hf` adapter (`models.HFAd
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from checkpoint.state import single_process
 from checkpoint.storage import CheckpointError, commit, prepare_tmp, read_layout, step_dir
+from models.contract import HFTensor
 
 
 # ------------------------------------------------------------------------------ safetensors
@@ -72,6 +77,343 @@ def write_hf_weights(
     return names
 
 
+# ----------------------------------------------------------- slices of Hugging Face files
+def is_hf_folder(folder: Path) -> bool:
+    """A Hugging Face model folder: config.json beside model.safetensors or an index."""
+    folder = Path(folder)
+    return (folder / "config.json").is_file() and (
+        (folder / "model.safetensors").is_file()
+        or (folder / "model.safetensors.index.json").is_file()
+    )
+
+
+class HFFiles:
+    """The tensors of a Hugging Face folder, read slice by slice with safetensors' `safe_open`
+    (`get_slice` copies only the slice asked for), one file open at a time: the file's pages
+    a read touches stay mapped, so counted in the process's RSS, only until another file is
+    opened or `close()`: at most one shard's worth."""
+
+    def __init__(self, folder: Path):
+        from safetensors import safe_open
+
+        self.folder = Path(folder)
+        index = self.folder / "model.safetensors.index.json"
+        if index.is_file():
+            self.where = dict(json.loads(index.read_text())["weight_map"])
+        elif (self.folder / "model.safetensors").is_file():
+            with safe_open(str(self.folder / "model.safetensors"), framework="pt") as f:
+                self.where = {k: "model.safetensors" for k in f.keys()}
+        else:
+            raise CheckpointError(
+                f"{folder} has neither model.safetensors nor model.safetensors.index.json"
+            )
+        self._open_name, self._open = None, None
+
+    def _file(self, name: str):
+        from safetensors import safe_open
+
+        fname = self.where[name]
+        if fname != self._open_name:
+            self.close()
+            self._open = safe_open(str(self.folder / fname), framework="pt")
+            self._open_name = fname
+        return self._open
+
+    def close(self) -> None:
+        if self._open is not None:
+            self._open.__exit__(None, None, None)  # releases the mapping
+        self._open_name, self._open = None, None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._file(name).get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        from safetensors.torch import _getdtype
+
+        return _getdtype(self._file(name).get_slice(name).get_dtype())
+
+    def read(self, name: str, region: tuple[slice, ...]) -> torch.Tensor:
+        view = self._file(name).get_slice(name)
+        return view[region] if region else view[:]
+
+
+def resolve_source(files: HFFiles, src: HFTensor, ours: str) -> HFTensor:
+    """`src` with a tied matrix's stand-in when its own tensor is absent; one error naming
+    every HF tensor missing."""
+    if src.names and src.names[0] not in files.where and src.tied in files.where:
+        return dataclasses.replace(src, names=(src.tied,), tied=None)
+    missing = [n for n in src.names if n not in files.where]
+    if missing:
+        raise CheckpointError(
+            f"{files.folder}: no tensor {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
+            f" (for our '{ours}'): the folder does not hold this model"
+        )
+    return src
+
+
+def read_slice(
+    files: HFFiles, src: HFTensor, offsets: tuple[int, ...], shape: tuple[int, ...]
+) -> torch.Tensor:
+    """The slice [offsets, offsets + shape) of our tensor that `src` describes, reading from
+    the files only the HF slices it is made of (a permuted row range: the HF rows it spans)."""
+    region = tuple(slice(o, o + n) for o, n in zip(offsets, shape))
+    if not src.names:
+        return torch.zeros(shape)
+    if src.stacked:
+        parts = [
+            files.read(src.names[j], region[1:]) for j in range(offsets[0], offsets[0] + shape[0])
+        ]
+        return torch.stack(parts) if parts else torch.empty(shape, dtype=files.dtype(src.names[0]))
+    if src.rows is None or not shape or shape[0] == 0:
+        return files.read(src.names[0], region)
+    hf_rows = src.rows(torch.arange(offsets[0], offsets[0] + shape[0]))
+    lo, hi = int(hf_rows.min()), int(hf_rows.max()) + 1
+    block = files.read(src.names[0], (slice(lo, hi), *region[1:]))
+    return block.index_select(0, hf_rows - lo)
+
+
+def to_hf_tensors(src: HFTensor, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Our full tensor -> the HF tensors `src` says it is (none for a tensor HF lacks)."""
+    if not src.names:
+        return {}
+    if src.stacked:
+        return {name: t[j] for j, name in enumerate(src.names)}
+    if src.rows is None:
+        return {src.names[0]: t}
+    out = torch.empty_like(t)
+    out[src.rows(torch.arange(len(t)))] = t
+    return {src.names[0]: out}
+
+
+def hf_layout(src: HFTensor, shape: tuple[int, ...], dtype) -> dict[str, tuple]:
+    """{HF name: (shape, dtype)} of the HF tensors `to_hf_tensors` makes of one of ours."""
+    return {k: (shape[1:] if src.stacked else shape, dtype) for k in src.names}
+
+
+def tensor_map(spec, args) -> Callable[[str], HFTensor]:
+    """(our tensor name) -> HFTensor for a family, or one error when its adapter lacks it."""
+    adapter = hf_adapter(spec)
+    if adapter.tensor is None:
+        raise CheckpointError(
+            f"model family '{spec.name}': its HFAdapter has no `tensor` description (where each "
+            "of its tensors is in Hugging Face files), which streaming conversion and runs "
+            "loading or saving Hugging Face folders need: add one (models/contract.py HFTensor)"
+        )
+    return lambda name: adapter.tensor(name, args)
+
+
+def check_hf_names(files: HFFiles, sources: dict[str, HFTensor]) -> None:
+    """Every HF tensor of the folder is one of ours (rotary caches aside)."""
+    used = {n for s in sources.values() for n in (*s.names, *([s.tied] if s.tied else []))}
+    extra = sorted(
+        n for n in files.where if n not in used and not n.endswith("rotary_emb.inv_freq")
+    )
+    if extra:
+        raise CheckpointError(
+            f"{files.folder}: unexpected tensors {extra[:10]}: the folder does not hold this "
+            "model (a different family, layer count or expert count?)"
+        )
+
+
+def fill_from_hf(msd: dict, folder: Path, spec, args) -> None:
+    """Fills a live model's state dict (`get_model_state_dict`: full tensors, or DTensors in
+    any layout: FSDP, TP, EP shards, a pipeline stage's part) in place from a Hugging Face
+    folder: each rank reads only the HF slices its shards are made of (their global offsets
+    from DTensor's own placement arithmetic), one file open at a time."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    files = HFFiles(folder)
+    where = tensor_map(spec, args)
+    with torch.device("meta"):
+        every = spec.model_cls(args).state_dict().keys()  # all stages': the folder's names
+    check_hf_names(files, {n: resolve_source(files, where(n), n) for n in every})
+    sources = {n: resolve_source(files, where(n), n) for n in msd}
+    bad = []
+    for n, src in sources.items():
+        want = tuple(msd[n].shape[1:] if src.stacked else msd[n].shape)
+        got = {files.shape(h) for h in src.names}
+        if got - {want}:
+            bad.append(f"{src.names[0]}: {sorted(got)[0]} where {n} is {want}")
+        if src.stacked and len(src.names) != msd[n].shape[0]:
+            bad.append(f"{n}: {msd[n].shape[0]} rows, {len(src.names)} HF tensors")
+    if bad:
+        raise CheckpointError(
+            f"{folder} does not fit this run's model: {'; '.join(bad[:6])} (is the run's "
+            "[model] the checkpoint's? config.json says what it holds)"
+        )
+    by_file = sorted(msd, key=lambda n: files.where.get(next(iter(sources[n].names), ""), ""))
+    try:
+        with torch.no_grad():
+            for n in by_file:
+                t = msd[n]
+                if isinstance(t, DTensor):
+                    shape, offset = compute_local_shape_and_global_offset(
+                        t.shape, t.device_mesh, t.placements
+                    )
+                    local = t.to_local()
+                else:
+                    shape, offset, local = tuple(t.shape), (0,) * t.dim(), t
+                if local.numel():
+                    local.copy_(read_slice(files, sources[n], tuple(offset), tuple(shape)))
+    finally:
+        files.close()
+
+
+def hf_load_problems(folder: Path, spec, args, model_only: bool) -> list[str]:
+    """Before any process group: what stops a run from starting from the Hugging Face folder
+    `folder` (checkpoint.initial_load_path): the family's adapter, config.json's model and
+    its shapes against the run's (the vocabulary aside: the run's comes from its tokenizer)."""
+    where = f"checkpoint.initial_load_path = {folder} (a Hugging Face folder)"
+    if not model_only:
+        return [f"{where} holds weights only: set checkpoint.initial_load_model_only = true"]
+    try:
+        tensor_map(spec, args)
+        check_hf_config(folder, spec, args, spec.function_args)
+        theirs = spec.hf.args_from_config(json.loads((Path(folder) / "config.json").read_text()))
+    except CheckpointError as e:
+        return [f"{where}: {e}"]
+    theirs = dataclasses.replace(theirs, vocab_size=args.vocab_size)
+    with torch.device("meta"):
+        mine = {k: tuple(v.shape) for k, v in spec.model_cls(args).state_dict().items()}
+        other = {k: tuple(v.shape) for k, v in spec.model_cls(theirs).state_dict().items()}
+    bad = [f"{k}: {other.get(k)} there, {mine.get(k)} here"
+           for k in sorted(mine.keys() | other.keys()) if mine.get(k) != other.get(k)]  # fmt: skip
+    if bad:
+        return [
+            f"{where}: config.json's model has other shapes than the run's [model] "
+            f"({'; '.join(bad[:4])}): set [model] to the checkpoint's shape"
+        ]
+    return []
+
+
+def check_hf_config(folder: Path, spec, args, function_args=()) -> None:
+    """config.json describes this family and the run's model: the same model_type, and the
+    same values of the args the weights' functions depend on (RoPE, norms)."""
+    adapter = hf_adapter(spec)
+    config = json.loads((Path(folder) / "config.json").read_text())
+    if config.get("model_type") != adapter.model_type:
+        raise CheckpointError(
+            f"{folder}/config.json model_type = {config.get('model_type')!r}, but the run's "
+            f"model.name = {spec.name} reads {adapter.model_type!r} checkpoints"
+        )
+    try:
+        theirs = adapter.args_from_config(config)
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"{folder}/config.json: {e}") from None
+    diff = [f"{k} = {getattr(theirs, k)} there, {getattr(args, k)} here"
+            for k in function_args if getattr(theirs, k, None) != getattr(args, k, None)]  # fmt: skip
+    if diff:
+        raise CheckpointError(
+            f"{folder}/config.json differs from the run's model: {'; '.join(diff)} (set the "
+            "run's [model] to the checkpoint's values)"
+        )
+
+
+# Files of a Hugging Face tokenizer, copied into an export when they sit beside the run's
+# tokenizer file (a tiktoken or sentencepiece file alone is not one transformers reads).
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def save_hf(
+    msd: dict,
+    final: Path,
+    spec,
+    args,
+    dtype: torch.dtype,
+    *,
+    group=None,
+    tokenizer_path: str = "",
+    max_shard_bytes: int = 5 * 2**30,
+) -> Path:
+    """A live model's state dict (full tensors or DTensors in any layout; every rank of
+    `group` calls this) -> a Hugging Face folder `final`: config.json, safetensors shards with
+    an index, the tokenizer's files. One tensor at a time is gathered (`full_tensor`, on the
+    ranks that hold it) and written at once by the lowest rank holding it, into files of its
+    own of at most max_shard_bytes (`SafetensorsWriter`); so a rank holds at most one gathered
+    tensor.
+    Rank 0 then names the files model-0000i-of-0000N, writes the index and commits the folder
+    (a .tmp folder renamed)."""
+    import shutil
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    where = tensor_map(spec, args)
+    distributed = dist.is_initialized() and dist.get_world_size(group) > 1
+    rank = dist.get_rank(group) if distributed else 0
+    names = sorted(n for n in msd if where(n).names)
+
+    def gather(obj) -> list:
+        if not distributed:
+            return [obj]
+        out = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+    writer: dict[str, int] = {}
+    for r, held in enumerate(gather(names)):
+        for n in held:
+            writer.setdefault(n, r)
+    tmp = final.with_name(final.name + ".tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    gather(None)  # the folder exists before anyone writes
+    # my files, planned from the global shapes: {file: {HF name: (shape, dtype)}}
+    plan: dict[str, dict] = {}
+    file_of: dict[str, str] = {}
+    size = 0
+    for n in (n for n in names if writer[n] == rank):
+        layout = hf_layout(where(n), tuple(msd[n].shape), dtype)
+        nbytes = sum(math.prod(s) * dtype.itemsize for s, _ in layout.values())
+        if not plan or (size and size + nbytes > max_shard_bytes):
+            plan[f"part-{rank:05d}-{len(plan):05d}.safetensors"] = {}
+            size = 0
+        fname = next(reversed(plan))
+        plan[fname].update(layout)
+        file_of[n], size = fname, size + nbytes
+    out = None
+    try:
+        for n in names:
+            t = msd[n]
+            full = t.full_tensor() if isinstance(t, DTensor) else t  # every rank holding it
+            if writer[n] != rank:
+                continue
+            if out is None or out.path.name != file_of[n]:
+                if out is not None:
+                    out.__exit__(None, None, None)
+                out = SafetensorsWriter(tmp / file_of[n], plan[file_of[n]])
+            for k, v in to_hf_tensors(where(n), full.detach().to("cpu", dtype)).items():
+                out.write(k, v)
+            del full
+    finally:
+        if out is not None:
+            out.__exit__(None, None, None)
+    files = {f: {k: s for k, (s, _) in layout.items()} for f, layout in plan.items()}
+    everyone = gather(files)
+    if rank == 0:
+        parts = [f for per_rank in everyone for f in per_rank.items()]
+        weight_map, total = {}, 0
+        for i, (fname, tensors) in enumerate(parts):
+            new = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
+            (tmp / fname).rename(tmp / new)
+            weight_map.update({k: new for k in tensors})
+            total += sum(math.prod(s) for s in tensors.values()) * dtype.itemsize
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        config = hf_adapter(spec).config_from_args(args, dtype)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        beside = Path(tokenizer_path).parent if tokenizer_path else None
+        for name in HF_TOKENIZER_FILES if beside else ():
+            if (beside / name).is_file():
+                shutil.copy2(beside / name, tmp / name)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+    gather(None)  # committed before anyone goes on
+    return final
+
+
 # ------------------------------------------------------------------------------------ DCP
 def read_dcp_model(path: Path) -> dict[str, torch.Tensor]:
     """The full (unsharded) `model.*` tensors of a checkpoint, in one process on CPU."""
@@ -120,12 +462,24 @@ def _families():
     return all_model_specs()
 
 
-def write_dcp_model(sd: dict[str, torch.Tensor], out_folder: Path, layout: dict) -> Path:
-    """A model-only `step-0` checkpoint in `out_folder`, committed like a training save."""
+def write_dcp_model(
+    sd: dict[str, torch.Tensor], out_folder: Path, layout: dict, produce: Callable | None = None
+) -> Path:
+    """A model-only `step-0` checkpoint in `out_folder`, committed like a training save.
+    With `produce` (our name -> tensor), `sd` holds meta tensors of the shapes and dtypes to
+    write and each tensor is made when DCP writes it, into a file of its own, then dropped."""
     final = step_dir(Path(out_folder), 0)
     tmp = prepare_tmp(final)
     with single_process():
-        dcp.save({"model": sd}, checkpoint_id=str(tmp), no_dist=True)
+        if produce is None:
+            dcp.save({"model": sd}, checkpoint_id=str(tmp), no_dist=True)
+        else:
+            dcp.save(
+                {"model": sd},
+                storage_writer=FileSystemWriter(str(tmp), single_file_per_rank=False),
+                planner=_ProducingPlanner(produce),
+                no_dist=True,
+            )
     commit(
         tmp,
         final,
@@ -140,6 +494,167 @@ def write_dcp_model(sd: dict[str, torch.Tensor], out_folder: Path, layout: dict)
         },
     )
     return final
+
+
+class _ProducingPlanner(DefaultSavePlanner):
+    """DCP's save planner, with each tensor made when the writer asks for it: DCP plans from
+    shapes and dtypes only, and its writer resolves items one at a time on CPU (and, with
+    `single_file_per_rank=False`, keeps one item per file: it holds a file's tensors until the
+    file is closed)."""
+
+    def __init__(self, produce: Callable[[str], torch.Tensor]):
+        super().__init__(dedup_save_to_lowest_rank=False)
+        self.produce = produce
+
+    def resolve_data(self, write_item):
+        return self.produce(write_item.index.fqn.removeprefix("model."))
+
+
+def stream_hf_to_dcp(folder: Path, spec, args, output: Path, layout: dict, dtype=None) -> dict:
+    """A Hugging Face folder -> a model-only DCP checkpoint, one tensor in memory at a time.
+    Returns {our name: (shape, dtype)} of what was written."""
+    files = HFFiles(folder)
+    where = tensor_map(spec, args)
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in spec.model_cls(args).state_dict().items()}
+    sources = {n: resolve_source(files, where(n), n) for n in shapes}
+    check_hf_names(files, sources)
+    bad = []
+    for n, src in sources.items():
+        want = shapes[n][1:] if src.stacked else shapes[n]
+        got = {files.shape(h) for h in src.names}
+        if got - {want}:
+            bad.append(f"{src.names[0]}: {sorted(got)[0]} where {n} needs {want}")
+    if bad:
+        raise CheckpointError(f"{folder}: tensors of the wrong shape: {'; '.join(bad[:6])}")
+    dtypes = {n: dtype or (files.dtype(s.names[0]) if s.names else torch.float32)
+              for n, s in sources.items()}  # fmt: skip
+    meta = {n: torch.empty(shapes[n], dtype=dtypes[n], device="meta") for n in shapes}
+
+    def produce(n: str) -> torch.Tensor:
+        return read_slice(files, sources[n], (0,) * len(shapes[n]), shapes[n]).to(dtypes[n])
+
+    try:
+        write_dcp_model(meta, output, layout, produce)
+    finally:
+        files.close()
+    return {n: (shapes[n], dtypes[n]) for n in shapes}
+
+
+def stream_dcp_to_hf(
+    path: Path, spec, args, output: Path, dtype=None, max_shard_bytes: int = 5 * 2**30
+) -> tuple[list[str], dict[str, tuple], torch.dtype]:
+    """A checkpoint's model -> Hugging Face safetensors in `output`, one tensor in memory at a
+    time: each output file's header is planned from the DCP metadata (a tensor larger than
+    max_shard_bytes gets a file of its own), then our tensors are read from DCP one by one and
+    written. Returns (file names, {HF name: shape}, the dtype written)."""
+    where = tensor_map(spec, args)
+    md = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    ours = {k[len("model.") :]: m for k, m in md.items()
+            if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}  # fmt: skip
+    if not ours:
+        raise CheckpointError(f"{path} holds no model weights")
+    groups: list[list[str]] = [[]]
+    size, absent = 0, []
+    for n, m in ours.items():
+        if not where(n).names:
+            absent.append(n)
+            continue
+        nbytes = math.prod(m.size) * (dtype or m.properties.dtype).itemsize
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(n)
+        size += nbytes
+    if absent:
+        nonzero = [n for n, t in _read_dcp(path, absent, ours).items() if t.any()]
+        if nonzero:
+            warnings.warn(
+                f"{', '.join(nonzero)} {'is' if len(nonzero) == 1 else 'are'} non-zero but "
+                "Hugging Face's model has no such tensor: the export leaves them out",
+                stacklevel=2,
+            )
+    output.mkdir(parents=True, exist_ok=True)
+    names, weight_map, shapes, total, out_dtype = [], {}, {}, 0, None
+    for i, group in enumerate(groups):
+        fname = (
+            "model.safetensors"
+            if len(groups) == 1
+            else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        )
+        layout = {}  # the file's HF tensors, known from the DCP metadata before any is read
+        for n in group:
+            layout.update(
+                hf_layout(where(n), tuple(ours[n].size), dtype or ours[n].properties.dtype)
+            )
+        with SafetensorsWriter(output / fname, layout) as f:
+            for n in group:  # one of our tensors in memory at a time
+                t = _read_dcp(path, [n], ours)[n]
+                for k, v in to_hf_tensors(where(n), t.to(dtype) if dtype else t).items():
+                    f.write(k, v)
+                del t
+        names.append(fname)
+        for k, (shape, dt) in layout.items():
+            weight_map[k], shapes[k] = fname, shape
+            total += math.prod(shape) * dt.itemsize
+            out_dtype = out_dtype or dt
+    if len(groups) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (output / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return names, shapes, out_dtype
+
+
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+                       torch.float64: "F64", torch.int64: "I64", torch.int32: "I32"}  # fmt: skip
+
+
+class SafetensorsWriter:
+    """A safetensors file written tensor by tensor: the header (every tensor's name, dtype,
+    shape and byte range) first, then each tensor's bytes as it comes, in the header's order.
+    safetensors' own `save_file` takes the whole dict and serialises the file in memory before
+    writing it (twice the file at peak); the format is a little-endian u64 header length, the
+    JSON header and the raw bytes, so writing it directly keeps one tensor in memory."""
+
+    def __init__(self, path: Path, layout: dict[str, tuple[tuple[int, ...], torch.dtype]]):
+        self.path, self.order, self.layout = Path(path), list(layout), layout
+        header, start = {"__metadata__": {"format": "pt"}}, 0
+        for name, (shape, dtype) in layout.items():
+            end = start + math.prod(shape) * dtype.itemsize
+            header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                            "data_offsets": [start, end]}  # fmt: skip
+            start = end
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors does
+        self.file = open(self.path, "wb")
+        self.file.write(len(text).to_bytes(8, "little") + text)
+        self.next = 0
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        shape, dtype = self.layout[name]
+        if self.order[self.next] != name or tuple(t.shape) != shape or t.dtype != dtype:
+            raise CheckpointError(
+                f"{self.path}: {name} {tuple(t.shape)} {t.dtype} written where the header "
+                f"expects {self.order[self.next]} {shape} {dtype}"
+            )
+        self.file.write(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().data)
+        self.next += 1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        self.file.close()
+        if kind is None and self.next != len(self.order):
+            raise CheckpointError(f"{self.path}: {self.order[self.next]} was never written")
+
+
+def _read_dcp(path: Path, names: list[str], md: dict) -> dict[str, torch.Tensor]:
+    """Some of a checkpoint's model tensors, in full, in one process (DCP reads only them)."""
+    sd = {f"model.{n}": torch.empty(tuple(md[n].size), dtype=md[n].properties.dtype)
+          for n in names}  # fmt: skip
+    with single_process():
+        dcp.load(sd, storage_reader=FileSystemReader(str(path)), no_dist=True)
+    return {k[len("model.") :]: v for k, v in sd.items()}
 
 
 def total_bytes(sd: dict[str, torch.Tensor]) -> int:

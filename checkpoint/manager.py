@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
+from checkpoint.hf import check_hf_config, fill_from_hf, is_hf_folder, save_hf
 from checkpoint.staging import HostCopyStager
 from checkpoint.state import (
     COMPONENTS,
@@ -207,6 +208,10 @@ class CheckpointManager:
                 source = f"checkpoint.load_step = {c.load_step}"
             elif found:
                 path, source = found[-1][1], "latest checkpoint in the run folder"
+            elif c.initial_load_path and is_hf_folder(Path(c.initial_load_path)):
+                # a Hugging Face folder: each rank reads its slices of it (checkpoint/hf.py)
+                layout = {"format": "huggingface", "step": 0, "contents": ["model"]}
+                return c.initial_load_path, ["model"], "checkpoint.initial_load_path", layout
             elif c.initial_load_path:
                 path = resolve_load_path(Path(c.initial_load_path))
                 source = "checkpoint.initial_load_path"
@@ -241,6 +246,8 @@ class CheckpointManager:
             return False
         path, components, source, layout = choice
         t0 = time.perf_counter()
+        if layout.get("format") == "huggingface":
+            return self._load_hf(path, t0)
         metadata = read_metadata(path)
         world = self.parallel_dims.world_size if self.parallel_dims is not None else 1
         if layout.get("world_size") != world or f"rng.rank{self.rank}" not in metadata:
@@ -285,6 +292,24 @@ class CheckpointManager:
             )
         return True
 
+    def _load_hf(self, path: str, t0: float) -> bool:
+        """The weights only, from a Hugging Face folder, each rank reading its own slices."""
+        spec = get_model_spec(self.cfg.model.name)
+        args = getattr(self.model_parts[0], "args", None)
+        check_hf_config(Path(path), spec, args, spec.function_args)
+        sd = self._state(["model"])
+        fill_from_hf(sd["model"], Path(path), spec, args)
+        apply_state(sd, rank=self.rank, **self.objects)
+        self._log(
+            logging.INFO,
+            "checkpoint: loaded the weights of Hugging Face folder %s (checkpoint."
+            "initial_load_path) in %.1f s, now %s",
+            path,
+            time.perf_counter() - t0,
+            layout_info_text(layout_info(self.parallel_dims)),
+        )
+        return True
+
     # ----------------------------------------------------------------------------- saving
     def due(self, step: int) -> bool:
         """Whether `maybe_save(step)` writes a checkpoint at this step: every interval and at
@@ -293,6 +318,10 @@ class CheckpointManager:
 
     def maybe_save(self, step: int) -> None:
         self._poll()
+        ck = self.ckpt
+        last = step == self.cfg.training.steps
+        if ck.hf_export and (last or (ck.hf_export_interval and step % ck.hf_export_interval == 0)):
+            self.save_hf(step)
         if not self.due(step):
             return
         last_step = step == self.cfg.training.steps
@@ -308,6 +337,30 @@ class CheckpointManager:
                 export_dtype=DTYPES[self.ckpt.export_dtype],
                 use_async=False,
             )
+
+    def save_hf(self, step: int) -> Path:
+        """The weights in Hugging Face format in <folder>/hf-step-N (checkpoint.hf_export),
+        one tensor gathered at a time (checkpoint/hf.py `save_hf`); synchronous."""
+        t0 = time.perf_counter()
+        spec = get_model_spec(self.cfg.model.name)
+        final = save_hf(
+            self._state(["model"])["model"],
+            self.folder / f"hf-step-{step}",
+            spec,
+            getattr(self.model_parts[0], "args", None),
+            DTYPES[self.ckpt.hf_export_dtype],
+            group=self.pg if self.distributed else None,
+            tokenizer_path=self.cfg.model.tokenizer_path,
+        )
+        self._log(
+            logging.INFO,
+            "checkpoint: Hugging Face export of step %s in %s (%s) in %.1f s",
+            step,
+            final,
+            self.ckpt.hf_export_dtype,
+            time.perf_counter() - t0,
+        )
+        return final
 
     def save(self, step: int) -> None:
         """A full checkpoint at `step` now, off the interval (e.g. when a stop is requested);

@@ -108,6 +108,11 @@ def validate(cfg: JobConfig) -> None:
             problems.add(
                 f"moe.{key} = {value}: use -1 (the flavor's value), 0 (off) or a positive weight."
             )
+    if cfg.checkpoint.hf_export_interval < 0:
+        problems.add(
+            f"checkpoint.hf_export_interval = {cfg.checkpoint.hf_export_interval}: use 0 (the "
+            "last step only) or a positive number of steps."
+        )
     cp = cfg.parallelism.context_parallel_degree
     if cp > 1 and cfg.training.seq_len % (2 * cp):
         problems.add(

@@ -247,6 +247,18 @@ class Checkpoint:
     export_dtype: Literal["float32", "bfloat16", "float16"] = opt(
         "float32", "Dtype of the model_only export"
     )
+    hf_export: bool = opt(
+        False,
+        "At the last step also save the weights in Hugging Face format (config.json, sharded "
+        "safetensors with an index, the tokenizer's files) to <folder>/hf-step-N: loads in "
+        "transformers as it is; the family needs a Hugging Face adapter",
+    )
+    hf_export_interval: int = opt(
+        0, "With hf_export: also every this many steps (0: the last step only)"
+    )
+    hf_export_dtype: Literal["float32", "bfloat16", "float16"] = opt(
+        "bfloat16", "Dtype of the Hugging Face export's weights"
+    )
     exclude_from_loading: list[
         Literal["model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng"]
     ] = opt([], "Components not restored on resume, e.g. ['dataloader', 'lr_scheduler']")

@@ -179,11 +179,15 @@ def _checkpoint_rules(cfg: JobConfig) -> list[_Rule]:
     # fmt: off
     return [
         (not ck.enable, f"{seed_folder}checkpoint.interval checkpoint.keep_latest_k "
-         "checkpoint.async_mode checkpoint.model_only checkpoint.export_dtype",
+         "checkpoint.async_mode checkpoint.model_only checkpoint.export_dtype "
+         "checkpoint.hf_export checkpoint.hf_export_interval checkpoint.hf_export_dtype",
          "checkpoint.enable", "checkpoint.enable = false (nothing is saved)",
          "set checkpoint.enable = true"),
         (ck.enable and not ck.model_only, "checkpoint.export_dtype", "checkpoint.model_only",
          "checkpoint.model_only = false (no export)", "set checkpoint.model_only = true"),
+        (ck.enable and not ck.hf_export, "checkpoint.hf_export_interval checkpoint.hf_export_dtype",
+         "checkpoint.hf_export", "checkpoint.hf_export = false (no Hugging Face export)",
+         "set checkpoint.hf_export = true"),
         (ck.enable and ck.load_step >= 0, "checkpoint.initial_load_path", "checkpoint.load_step",
          f"checkpoint.load_step = {ck.load_step} (it resumes from the run's own folder)",
          "unset load_step to start from the path"),

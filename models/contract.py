@@ -39,15 +39,36 @@ ARGS_FIELDS = {
 
 
 @dataclass(frozen=True)
+class HFTensor:
+    """Where one of our tensors is in a Hugging Face checkpoint, described so that any slice of
+    ours maps to a bounded slice of Hugging Face's (what lets each rank read only its part):
+    - `names`: one HF tensor of our shape; or, with `stacked`, one per index of our dim 0 (the
+      experts: ours[j] is names[j]); or none: not stored by Hugging Face, zero on import and
+      left out of an export (Qwen3-MoE's expert_bias);
+    - `rows` (optional): (our row indices, an int64 tensor) -> the HF rows holding them, a
+      permutation within blocks of rows (Llama's Q/K rows within each head);
+    - `tied`: the HF tensor read instead when names[0] is absent (a tied output matrix)."""
+
+    names: tuple[str, ...]
+    stacked: bool = False
+    rows: Callable[[Any], Any] | None = None
+    tied: str | None = None
+
+
+@dataclass(frozen=True)
 class HFAdapter:
     """How a family's weights and config.json map to Hugging Face's (optional), used by
-    scripts/convert_from_hf.py and convert_to_hf.py."""
+    scripts/convert_from_hf.py and convert_to_hf.py and by a run that loads or saves Hugging
+    Face folders (checkpoint/hf.py)."""
 
     model_type: str  # the config.json "model_type" it reads
     args_from_config: Callable[[dict], Any]  # config.json -> args
     config_from_args: Callable[[Any, Any], dict]  # (args, dtype) -> config.json
     to_hf: Callable[[dict, Any], dict]  # (our full state dict, args) -> HF tensors
     from_hf: Callable[[dict, Any], dict]  # (HF tensors, args) -> our state dict
+    # (our tensor name, args) -> where it is in HF files: what streams and shards use; the
+    # whole-dict functions above must agree with it (tests/unit/test_hf_stream.py checks)
+    tensor: Callable[[str, Any], HFTensor] | None = None
 
 
 @dataclass(frozen=True)

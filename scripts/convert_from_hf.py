@@ -1,6 +1,7 @@
 """A Hugging Face model of a registered family with an adapter (Llama, Qwen3, Qwen3-MoE;
 config.json + safetensors, one file or sharded) -> a model-only DCP checkpoint `OUTPUT/step-0`
-that any layout loads (set checkpoint.initial_load_path = OUTPUT).
+that any layout loads (set checkpoint.initial_load_path = OUTPUT). It streams: one tensor is
+in memory at a time (peak memory about the largest tensor, not the model; benchmarks/hf_stream).
 
     python scripts/convert_from_hf.py HF_FOLDER OUTPUT [--dtype float32] [--flavor 8B]
 """
@@ -8,19 +9,15 @@ that any layout loads (set checkpoint.initial_load_path = OUTPUT).
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 
 import torch
 
-from checkpoint.hf import (
-    human_bytes,
-    read_hf_weights,
-    total_bytes,
-    write_dcp_model,
-)
+from checkpoint.hf import human_bytes, stream_hf_to_dcp
 from checkpoint.state import DTYPES
-from checkpoint.storage import CheckpointError
+from checkpoint.storage import CheckpointError, step_dir
 from models import import_families
 
 
@@ -85,21 +82,11 @@ def convert(
         raise CheckpointError(f"{hf_folder}/config.json: {e}") from None
     if flavor:
         compare_with_flavor(spec, args, flavor)
-    sd = spec.hf.from_hf(read_hf_weights(hf_folder), args)
-    expected = set(_shapes(spec, args))
-    missing, extra = sorted(expected - sd.keys()), sorted(sd.keys() - expected)
-    if missing or extra:
-        raise CheckpointError(
-            f"{hf_folder}: missing tensors {missing[:10]}, unexpected "
-            f"{extra[:10]} for {args.n_layers} layers"
-        )
-    if dtype != "keep":
-        sd = {k: v.to(DTYPES[dtype]) for k, v in sd.items()}
-    dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in sd.values()})
+    want = None if dtype == "keep" else DTYPES[dtype]
     layout = {
         "kind": "converted",
         "source": str(hf_folder),
-        "dtype": ",".join(dtypes),
+        "dtype": "(from the files)" if want is None else dtype,
         "model": {
             "name": spec.name,
             "flavor": flavor or "(from job_config.json)",
@@ -107,9 +94,13 @@ def convert(
         },
         "train_state": {"step": 0, "tokens_seen": 0},
     }
-    final = write_dcp_model(sd, output, layout)
+    final = step_dir(Path(output), 0)
+    # tensor by tensor: each is read from its file, transformed and written, then dropped
+    written = stream_hf_to_dcp(hf_folder, spec, args, output, layout, want)
+    dtypes = sorted({str(d).removeprefix("torch.") for _, d in written.values()})
+    size = sum(math.prod(s) * d.itemsize for s, d in written.values())
     print(
-        f"converted {len(sd)} tensors ({human_bytes(total_bytes(sd))}, {', '.join(dtypes)}) "
+        f"converted {len(written)} tensors ({human_bytes(size)}, {', '.join(dtypes)}) "
         f"from {hf_folder} to {final}"
     )
     return final

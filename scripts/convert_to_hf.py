@@ -1,23 +1,18 @@
 """A meshtrain DCP checkpoint (any layout; a step-N folder, an export, or a folder of them,
 whose latest is used) -> the Hugging Face layout of the family it records (Llama, Qwen3,
-Qwen3-MoE): config.json + safetensors.
+Qwen3-MoE): config.json + safetensors. It streams: one tensor is in memory at a time (peak
+memory about the largest tensor, not the model; benchmarks/hf_stream).
 
     python scripts/convert_to_hf.py CHECKPOINT OUTPUT [--dtype bfloat16] [--max_shard_gb 5]
 """
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
-from checkpoint.hf import (
-    hf_adapter,
-    human_bytes,
-    model_from_layout,
-    read_dcp_model,
-    total_bytes,
-    write_hf_weights,
-)
+from checkpoint.hf import hf_adapter, human_bytes, model_from_layout, stream_dcp_to_hf
 from checkpoint.state import DTYPES
 from checkpoint.storage import CheckpointError, resolve_load_path
 from models import import_families
@@ -35,17 +30,15 @@ def convert(
     path = resolve_load_path(checkpoint)
     spec, args = model_from_layout(path)
     adapter = hf_adapter(spec)  # the family the checkpoint records decides the format
-    sd = read_dcp_model(path)
-    if dtype != "keep":
-        sd = {k: v.to(DTYPES[dtype]) for k, v in sd.items()}
-    hf = adapter.to_hf(sd, args)
-    output.mkdir(parents=True, exist_ok=True)
-    files = write_hf_weights(hf, output, max_shard_bytes)
-    out_dtype = next(iter(hf.values())).dtype
+    # file by file of the output: only the tensors of one output file are in memory at a time
+    files, shapes, out_dtype = stream_dcp_to_hf(
+        path, spec, args, Path(output), None if dtype == "keep" else DTYPES[dtype], max_shard_bytes
+    )
     config = adapter.config_from_args(args, out_dtype)
     (output / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    size = sum(math.prod(s) for s in shapes.values()) * out_dtype.itemsize
     print(
-        f"converted {len(hf)} tensors ({human_bytes(total_bytes(hf))}) from {path} to "
+        f"converted {len(shapes)} tensors ({human_bytes(size)}) from {path} to "
         f"{output}: config.json, {', '.join(files)}"
     )
     return files

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from checkpoint.hf import hf_load_problems, is_hf_folder, tensor_map
+from checkpoint.storage import CheckpointError
 from job_config.checks import validate
 from job_config.loader import parse_args
 from job_config.problems import ConfigError, Problems
@@ -132,6 +134,22 @@ def _check_model(cfg: JobConfig, args, problems: Problems) -> None:
             f"model.name = '{cfg.model.name}' has no experts",
             "use a family with experts",
         )
+    ck = cfg.checkpoint
+    if (
+        ck.enable
+        and ck.load_step < 0
+        and ck.initial_load_path
+        and is_hf_folder(Path(ck.initial_load_path))
+    ):
+        for problem in hf_load_problems(
+            Path(ck.initial_load_path), spec, args, ck.initial_load_model_only
+        ):
+            problems.add(problem)
+    if ck.enable and ck.hf_export:
+        try:
+            tensor_map(spec, args)
+        except CheckpointError as e:
+            problems.add(f"checkpoint.hf_export = true: {e}")
     ac = cfg.activation_checkpoint
     problems.run(
         validate_pipeline_config,

@@ -64,7 +64,14 @@ SPEC = register(
         flavors,
         tp_plan=gemma2_tp_plan,
         block_activation_bytes=gemma2_block_activation_bytes,
-        hf=HFAdapter("gemma2", hf.args_from_hf_config, hf.config_with_dtype, hf.to_hf, hf.from_hf),
+        hf=HFAdapter(
+            "gemma2",
+            hf.args_from_hf_config,
+            hf.config_with_dtype,
+            hf.to_hf,
+            hf.from_hf,
+            tensor=hf.hf_tensor,
+        ),
         function_args=(
             "rope_theta",
             "norm_eps",

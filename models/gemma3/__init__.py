@@ -45,7 +45,12 @@ SPEC = register(
         tp_plan=gemma3_tp_plan,
         block_activation_bytes=gemma3_block_activation_bytes,
         hf=HFAdapter(
-            "gemma3_text", hf.args_from_hf_config, hf.config_with_dtype, hf.to_hf, hf.from_hf
+            "gemma3_text",
+            hf.args_from_hf_config,
+            hf.config_with_dtype,
+            hf.to_hf,
+            hf.from_hf,
+            tensor=hf.hf_tensor,
         ),
         function_args=(
             "norm_eps",

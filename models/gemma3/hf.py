@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from models.contract import HFTensor
 from models.gemma3.model import Gemma3Args
 from models.qwen3 import hf as qwen3_hf
 
@@ -38,6 +39,10 @@ def to_hf_name(name: str) -> str:
 
 def from_hf_name(name: str) -> str:
     return qwen3_hf.from_hf_name(name, _BLOCK_BACK)
+
+
+def hf_tensor(name: str, args) -> HFTensor:
+    return qwen3_hf.hf_tensor(name, args, _BLOCK)
 
 
 def to_hf(sd: dict[str, torch.Tensor], args: Gemma3Args) -> dict[str, torch.Tensor]:

@@ -84,7 +84,12 @@ SPEC = register(
         tp_plan=llama_tp_plan,
         block_activation_bytes=llama_block_activation_bytes,
         hf=HFAdapter(
-            "llama", hf.args_from_hf_config, hf.hf_config_from_args, hf.meta_to_hf, hf.hf_to_meta
+            "llama",
+            hf.args_from_hf_config,
+            hf.hf_config_from_args,
+            hf.meta_to_hf,
+            hf.hf_to_meta,
+            tensor=hf.hf_tensor,
         ),
         function_args=("rope_theta", "use_scaled_rope", "norm_eps"),
     )

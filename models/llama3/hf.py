@@ -8,8 +8,11 @@ Meta row 2i + r. Everything else maps one to one by name.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
+from models.contract import HFTensor
 from models.llama3.model import ModelArgs
 
 
@@ -93,6 +96,22 @@ def _heads_for(name: str, args: ModelArgs) -> int | None:
     if name.endswith("attention.wk.weight"):
         return args.n_kv_heads
     return None
+
+
+def hf_rows(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The HF row of each of our wq/wk rows: our row h*head_dim + 2i + r is HF's
+    h*head_dim + r*head_dim/2 + i (`permute_to_hf`, row by row, so a slice maps to a slice)."""
+    head, within = rows // head_dim, rows % head_dim
+    return head * head_dim + (within % 2) * (head_dim // 2) + within // 2
+
+
+def hf_tensor(name: str, args: ModelArgs) -> HFTensor:
+    """Where our tensor `name` is in HF files (the per-tensor form of `meta_to_hf`)."""
+    if name == "output.weight" and args.tie_embeddings:
+        return HFTensor((to_hf_name(name),), tied="model.embed_tokens.weight")
+    if _heads_for(name, args):
+        return HFTensor((to_hf_name(name),), rows=partial(hf_rows, head_dim=args.head_dim))
+    return HFTensor((to_hf_name(name),))
 
 
 def hf_to_meta(hf: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:

@@ -11,6 +11,7 @@ import re
 
 import torch
 
+from models.contract import HFTensor
 from models.qwen3.model import Qwen3Args
 
 # Inside block i, what Qwen3 and Qwen3-MoE share: layers.{i}.<ours> <-> model.layers.{i}.<HF>
@@ -57,6 +58,13 @@ def from_hf_name(name: str, block_back: dict[str, str] = _BLOCK_BACK) -> str:
     if m is None or m.group(2) not in block_back:
         raise KeyError(f"unknown Hugging Face tensor '{name}'")
     return f"layers.{m.group(1)}.{block_back[m.group(2)]}"
+
+
+def hf_tensor(name: str, args, block: dict[str, str] = _BLOCK) -> HFTensor:
+    """Where our tensor `name` is in HF files: renamed only (a tied output matrix is the
+    embedding's when lm_head.weight is absent)."""
+    tied = "model.embed_tokens.weight" if name == "output.weight" and args.tie_embeddings else None
+    return HFTensor((to_hf_name(name, block),), tied=tied)
 
 
 def to_hf(sd: dict[str, torch.Tensor], args: Qwen3Args) -> dict[str, torch.Tensor]:

@@ -59,7 +59,12 @@ SPEC = register(
         validate=validate_qwen3_moe,
         block_activation_bytes=qwen3_moe_block_activation_bytes,
         hf=HFAdapter(
-            "qwen3_moe", hf.args_from_hf_config, hf.config_with_dtype, hf.to_hf, hf.from_hf
+            "qwen3_moe",
+            hf.args_from_hf_config,
+            hf.config_with_dtype,
+            hf.to_hf,
+            hf.from_hf,
+            tensor=hf.hf_tensor,
         ),
         routing=RoutingHooks(
             experts=routing.experts,

@@ -20,6 +20,7 @@ import warnings
 
 import torch
 
+from models.contract import HFTensor
 from models.qwen3 import hf as qwen3_hf
 from models.qwen3_moe.model import Qwen3MoEArgs
 
@@ -32,6 +33,21 @@ _PER_EXPERT = re.compile(
     r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight"
 )
 _FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
+
+
+def hf_tensor(name: str, args: Qwen3MoEArgs) -> HFTensor:
+    """Where our tensor `name` is in HF files: the experts stacked from one tensor per expert,
+    the balancing bias nowhere (zero on import), the rest renamed as Qwen3's."""
+    m = _OURS_MOE.fullmatch(name)
+    if m is None:
+        return qwen3_hf.hf_tensor(name, args, _BLOCK)
+    if m.group(2) == "expert_bias":
+        return HFTensor(())
+    proj = _EXPERT[m.group(2)[-2:]]
+    names = [
+        f"model.layers.{m.group(1)}.mlp.experts.{j}.{proj}.weight" for j in range(args.n_experts)
+    ]
+    return HFTensor(tuple(names), stacked=True)
 
 
 # ------------------------------------------------------------------------------- export

@@ -499,3 +499,136 @@ def test_sharded_stream_resumes_at_another_dp_through_train(tmp_path):
     ok(train(resumed, "single", *stream, env=env))
     assert sorted(losses(resumed)) == [4, 5, 6]
     assert_parity(ref, resumed, FP32, first=4, step=6)
+
+
+def hf_folder_for_run(folder: Path, family: str, **overrides) -> float:
+    """A random Hugging Face checkpoint (sharded safetensors: several files, an index) of the
+    run's shape (TINY_SHAPE on the family's debugmodel, the sample tokenizer's vocabulary),
+    written by transformers itself; returns its loss on the run's first global batch."""
+    import dataclasses
+
+    transformers = pytest.importorskip("transformers")
+    from data.dataloader import build_dataloader
+    from data.sample_corpus import default_cache_dir, ensure_sample_tokenizer
+    from data.tokenizer import build_tokenizer
+    from models import get_model_spec
+
+    tokenizer = build_tokenizer(ensure_sample_tokenizer(default_cache_dir()))
+    spec = get_model_spec(family)
+    args = dataclasses.replace(
+        spec.flavors["debugmodel"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+        vocab_size=tokenizer.vocab_size, **overrides,
+    )  # fmt: skip
+    config = transformers.AutoConfig.for_model(**spec.hf.config_from_args(args, torch.float32))
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    hf.save_pretrained(folder, max_shard_size="60KB")
+    assert len(list(folder.glob("*.safetensors"))) > 2
+    loader = build_dataloader(
+        dataset="sample", dataset_path="", tokenizer=tokenizer, seq_len=32, local_batch_size=8,
+        dp_rank=0, dp_degree=1, shuffle_seed=0,
+    )  # fmt: skip
+    inputs, labels = next(iter(loader))
+    with torch.no_grad():
+        logits = hf(inputs).logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).item()
+
+
+@pytest.mark.parametrize(
+    "family,layout,extra",
+    [
+        ("llama3", "tp2_fsdp2", []),
+        ("qwen3_moe", "fsdp2", ["--parallelism.expert_parallel_degree", "2"]),
+        ("llama3", "pp2", []),
+    ],
+)
+def test_hf_folder_loads_directly_into_a_sharded_run(tmp_path, family, layout, extra):
+    """checkpoint.initial_load_path = a Hugging Face folder: every rank reads only its slices
+    (TP 2 x FSDP 2 and PP 2 for Llama, EP 2 for Qwen3-MoE); the step-1 loss equals the one-process run's
+    from the same folder, and the HF model's own loss on that batch."""
+    want = hf_folder_for_run(tmp_path / "hf", family)
+    model = ["--model.name", family, "--model.flavor", "debugmodel"]
+    start = ["--training.steps", "1", "--checkpoint.interval", "5",
+             "--checkpoint.initial_load_path", str(tmp_path / "hf")]  # fmt: skip
+    ok(train(tmp_path / "one", "single", *model, *start))
+    ok(train(tmp_path / "many", layout, *model, *extra, *start))
+    assert "loaded the weights of Hugging Face folder" in log_text(tmp_path / "many")
+    one, many = losses(tmp_path / "one")[1], losses(tmp_path / "many")[1]
+    assert many == pytest.approx(one, rel=1e-5)
+    assert one == pytest.approx(want, rel=1e-4)
+
+
+@pytest.mark.parametrize(
+    "family,layout,extra",
+    [
+        ("llama3", "tp2_fsdp2", []),
+        ("qwen3", "single", []),
+        ("qwen3_moe", "fsdp2", ["--parallelism.expert_parallel_degree", "2"]),
+        ("gemma2", "single", []),
+        ("gemma3", "fsdp2", []),
+        ("llama3", "pp2", []),
+    ],
+)
+def test_hf_export_loads_in_transformers_with_the_trained_logits(tmp_path, family, layout, extra):
+    """checkpoint.hf_export: the trained weights as a Hugging Face folder (one tensor gathered
+    at a time, written by the lowest rank holding it) that transformers loads with no missing
+    or unexpected tensor and whose logits are the trained model's (its final DCP checkpoint)."""
+    transformers = pytest.importorskip("transformers")
+    from checkpoint.hf import model_from_layout, read_dcp_model
+
+    dump = tmp_path / "run"
+    ok(
+        train(
+            dump, layout, "--model.name", family, "--model.flavor", "debugmodel", *extra,
+            "--training.steps", "2", "--checkpoint.interval", "2", "--checkpoint.hf_export",
+            "true", "--checkpoint.hf_export_interval", "1", "--checkpoint.hf_export_dtype",
+            "float32",
+        )
+    )  # fmt: skip
+    folder = dump / "checkpoint"
+    assert (folder / "hf-step-1").is_dir() and (folder / "hf-step-2").is_dir()
+    index = json.loads((folder / "hf-step-2" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) >= 1
+    spec, args = model_from_layout(folder / "step-2")
+    ours = spec.model_cls(args)
+    ours.load_state_dict(read_dcp_model(folder / "step-2"), strict=False)
+    ours.init_buffers("cpu")
+    ours.eval()
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(
+        folder / "hf-step-2", output_loading_info=True
+    )
+    assert not any(info.values()), info
+    tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = hf.float().eval()(tokens).logits
+        mine = ours(tokens)
+    torch.testing.assert_close(theirs, getattr(mine, "logits", mine), rtol=1e-4, atol=1e-4)
+
+
+def test_hf_export_carries_the_runs_hugging_face_tokenizer(tmp_path):
+    """A run whose tokenizer is a tokenizer.json exports it beside the weights: transformers
+    reads it from the export and encodes as the run's tokenizer does."""
+    transformers = pytest.importorskip("transformers")
+    import tokenizers
+    from hf_tokenizer_files import HF_WORDS, qwen_like_tokenizer
+
+    tok = qwen_like_tokenizer(tmp_path / "tok")
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(20):
+        (docs / f"doc{i}.txt").write_text(" ".join(HF_WORDS[(i + 3 * j) % 10] for j in range(60)))
+    dump = tmp_path / "run"
+    ok(
+        train(
+            dump, "single", "--model.name", "qwen3", "--model.tokenizer_path", str(tok),
+            "--training.dataset", "text", "--training.dataset_path", str(docs),
+            "--training.steps", "1", "--checkpoint.hf_export", "true",
+        )
+    )  # fmt: skip
+    export = dump / "checkpoint" / "hf-step-1"
+    assert (export / "tokenizer.json").is_file()
+    theirs = transformers.PreTrainedTokenizerFast.from_pretrained(export)
+    text = "the model and the mesh shard the loss"
+    assert theirs(text)["input_ids"] == tokenizers.Tokenizer.from_file(str(tok)).encode(text).ids
+    config = json.loads((export / "config.json").read_text())
+    assert config["vocab_size"] == theirs.vocab_size and config["torch_dtype"] == "bfloat16"

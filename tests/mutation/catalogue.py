@@ -19,6 +19,14 @@ FP64_PARITY = "tests/integration/test_fp64_parity.py::test_fp64_layout_matches_o
 RESUME = "tests/unit/test_option_effects.py::test_resume_restores_every_counter"
 ATTN = "tests/unit/test_attention.py"
 GEMMA2_LOGITS = "tests/unit/test_gemma2.py::test_logits_match_transformers"
+HF_STREAM = "tests/unit/test_hf_stream.py"
+HF_LOAD = (
+    "tests/integration/test_checkpoint_train.py::test_hf_folder_loads_directly_into_a_sharded_run"
+)
+HF_EXPORT = (
+    "tests/integration/test_checkpoint_train.py::"
+    "test_hf_export_loads_in_transformers_with_the_trained_logits"
+)
 GEMMA2_PARITY = "tests/integration/test_gemma2_parity.py::test_gemma2_layout_matches_one_process"
 
 
@@ -533,5 +541,48 @@ MUTANTS = [
         '    block["post_ffn_norm"] = post_norm\n',
         "",
         (f"{GEMMA2_PARITY}[tp2]",),
+    ),
+    Mutant(
+        "hf_llama_qk_rows_unpermuted",
+        "Llama's per-tensor HF description maps our Q/K rows to the same HF rows (no RoPE "
+        "permutation), so slice reads and streaming conversion disagree with the whole-dict one",
+        "models/llama3/hf.py",
+        "return head * head_dim + (within % 2) * (head_dim // 2) + within // 2",
+        "return head * head_dim + within",
+        (f"{HF_STREAM}::test_the_description_agrees_with_the_whole_dict_conversion[llama3]",),
+    ),
+    Mutant(
+        "hf_expert_slice_from_expert_zero",
+        "a slice of stacked experts is read from expert 0 on, whatever its offset (an EP rank "
+        "or a shard of experts gets another rank's experts)",
+        "checkpoint/hf.py",
+        "for j in range(offsets[0], offsets[0] + shape[0])\n",
+        "for j in range(shape[0])\n",
+        (f"{HF_STREAM}::test_any_slice_reads_as_the_same_slice_of_the_whole_import[qwen3_moe]",),
+    ),
+    Mutant(
+        "hf_load_ignores_shard_offsets",
+        "a run starting from an HF folder fills every shard from the tensor's start (the local "
+        "shard's global offsets ignored)",
+        "checkpoint/hf.py",
+        "local.copy_(read_slice(files, sources[n], tuple(offset), tuple(shape)))",
+        "local.copy_(read_slice(files, sources[n], (0,) * len(shape), tuple(shape)))",
+        (f"{HF_LOAD}[llama3-tp2_fsdp2-extra0]",),
+    ),
+    Mutant(
+        "hf_export_writes_local_shards",
+        "the HF export writes each rank's local shard instead of the gathered parameter",
+        "checkpoint/hf.py",
+        "full = t.full_tensor() if isinstance(t, DTensor) else t",
+        "full = t.to_local() if isinstance(t, DTensor) else t",
+        (f"{HF_EXPORT}[llama3-tp2_fsdp2-extra0]",),
+    ),
+    Mutant(
+        "hf_safetensors_writer_offsets_from_zero",
+        "the streaming safetensors writer gives every tensor the byte range of the first",
+        "checkpoint/hf.py",
+        '                            "data_offsets": [start, end]}  # fmt: skip\n            start = end\n',
+        '                            "data_offsets": [start, end]}  # fmt: skip\n            start = 0\n',
+        (f"{HF_STREAM}::test_streamed_round_trip_is_exact[llama3]",),
     ),
 ]

@@ -402,6 +402,17 @@ def export_dtype(case: Case) -> str:
     return str(md.state_dict_metadata["model.norm.weight"].properties.dtype)
 
 
+def hf_export_dtype(case: Case) -> str:
+    from safetensors import safe_open
+
+    checkpointed(case, range(1, 11))
+    folder = case.dump / "checkpoint" / "hf-step-10"
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    fname = index["weight_map"]["model.norm.weight"]
+    with safe_open(str(folder / fname), framework="pt") as f:
+        return str(f.get_slice("model.norm.weight").get_dtype())
+
+
 def resumed(case: Case) -> tuple:
     """A first run saves step 2 with its weights moved by +1, in the run's own folder (in the
     folder `checkpoint.initial_load_path` names, when set); the run then starts: (its step,
@@ -665,6 +676,26 @@ EFFECTS: dict[str, Effect] = {
     ),
     "checkpoint.export_dtype": Effect(
         "bfloat16", export_dtype, "torch.bfloat16", (*CKPT, "--checkpoint.model_only", "true")
+    ),
+    "checkpoint.hf_export": Effect(
+        "true",
+        saved_steps(range(10, 11)),
+        ["checkpoint/hf-step-10", "checkpoint/step-10"],
+        CKPT,
+    ),
+    "checkpoint.hf_export_interval": Effect(
+        "4",
+        saved_steps(range(1, 11)),
+        [
+            "checkpoint/hf-step-10",
+            "checkpoint/hf-step-4",
+            "checkpoint/hf-step-8",
+            "checkpoint/step-10",
+        ],
+        (*CKPT, "--checkpoint.hf_export", "true"),
+    ),
+    "checkpoint.hf_export_dtype": Effect(
+        "float16", hf_export_dtype, "F16", (*CKPT, "--checkpoint.hf_export", "true")
     ),
     "checkpoint.exclude_from_loading": Effect("['train_state']", resumed, (0, True), CKPT),
     "checkpoint.create_seed_checkpoint": Effect(
