@@ -22,7 +22,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from checkpoint.hf import check_hf_config, fill_from_hf, is_hf_folder, save_hf
+from checkpoint.hf import check_hf_config, fill_from_hf, is_hf_folder
+from checkpoint.hf_write import save_hf
 from checkpoint.staging import HostCopyStager
 from checkpoint.state import (
     COMPONENTS,

@@ -188,7 +188,8 @@ def _shape(v) -> tuple[int, ...] | None:
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
 
-def _gather(obj, group=None) -> list:
+def gather_objects(obj, group=None) -> list:
+    """`obj` from every rank of `group` (a collective: all call it together); [obj] alone."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return [obj]
     out = [None] * dist.get_world_size(group)
@@ -250,7 +251,7 @@ def check_fits(path, sd: dict, metadata: dict, group=None) -> None:
         elif want is not None:
             mismatched.append(f"{key}: not a tensor in the checkpoint, model {list(want)}")
     model_keys = {k for k in flat if k.startswith("model.")}
-    gathered = _gather((sorted(missing), sorted(mismatched), sorted(model_keys)), group)
+    gathered = gather_objects((sorted(missing), sorted(mismatched), sorted(model_keys)), group)
     missing = sorted({k for g in gathered for k in g[0]})
     mismatched = sorted({k for g in gathered for k in g[1]})
     # an optimizer entry of a parameter already reported adds nothing

@@ -12,7 +12,8 @@ import math
 import sys
 from pathlib import Path
 
-from checkpoint.hf import hf_adapter, human_bytes, model_from_layout, stream_dcp_to_hf
+from checkpoint.hf import hf_adapter, human_bytes, model_from_layout
+from checkpoint.hf_write import stream_dcp_to_hf
 from checkpoint.state import DTYPES
 from checkpoint.storage import CheckpointError, resolve_load_path
 from models import import_families

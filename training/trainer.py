@@ -222,6 +222,8 @@ def warn_if_warmup_too_long(cfg: JobConfig) -> None:
 def build_loaders(cfg: JobConfig, tokenizer, dp_rank: int, dp_degree: int, dp_group=None):
     """(training loader, validation loader or None) of this DP rank's slice; `dp_group` (the
     data-parallel ranks' process group) joins a sharded stream's cursors at a save."""
+    from checkpoint.state import gather_objects
+
     t = cfg.training
     loader = functools.partial(
         build_dataloader,
@@ -241,7 +243,7 @@ def build_loaders(cfg: JobConfig, tokenizer, dp_rank: int, dp_degree: int, dp_gr
         shuffle_seed=t.shuffle_seed if t.shuffle else None,
         mixture=t.mixture,
         stream_shards=t.stream_shards,
-        gather_cursors=None if dp_group is None else functools.partial(gather_objects, dp_group),
+        gather_cursors=None if dp_group is None else lambda c: gather_objects(c, dp_group),
     )
     if not cfg.validation.enable:
         return train_loader, None
@@ -253,13 +255,6 @@ def build_loaders(cfg: JobConfig, tokenizer, dp_rank: int, dp_degree: int, dp_gr
         infinite=False,
     )
     return train_loader, val_loader
-
-
-def gather_objects(group, obj) -> list:
-    """`obj` from every rank of `group` (a collective: all of them call it together)."""
-    out = [None] * torch.distributed.get_world_size(group)
-    torch.distributed.all_gather_object(out, obj, group=group)
-    return out
 
 
 def build_source_validation(cfg: JobConfig, tokenizer, dp_rank: int, dp_degree: int) -> dict:
@@ -362,13 +357,24 @@ def scaled_routing(cfg: JobConfig, model_parts: list[nn.Module], tokens_per_rank
     return routing
 
 
+def data_parallel_coordinates(parallel_dims: ParallelDims):
+    """(this rank's DP rank, the DP degree, the DP ranks' process group or None at degree 1)."""
+    dp_rank, dp_degree = parallel_dims.coordinate("dp")
+    dp_mesh = parallel_dims.dim("dp")
+    return (
+        dp_rank,
+        dp_degree,
+        dp_mesh.get_group() if dp_mesh is not None and dp_degree > 1 else None,
+    )
+
+
 def build_run(cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, local_rank: int) -> Run:
     """Runtime, data, model, optimizer, schedule, checkpoint (resumed), step setup and
     observers, in that order."""
     t = cfg.training
     device = start_runtime(cfg, parallel_dims, local_rank)
     log_mesh(parallel_dims)
-    dp_rank, dp_degree = parallel_dims.coordinate("dp")
+    dp_rank, dp_degree, dp_group = data_parallel_coordinates(parallel_dims)
     tokenizer = load_tokenizer(cfg)
     model_args = model_args_for(cfg, t.seq_len, tokenizer.vocab_size)
     batches = batch_sizes(cfg, dp_degree, parallel_dims.cp)
@@ -377,8 +383,6 @@ def build_run(cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, local_r
     built, counts, attention = build_model(cfg, parallel_dims, model_args, device, step_loss, rank)
     fpt, peak = model_rates(cfg, model_args, counts, device, batches, dp_degree, attention)
     warn_if_warmup_too_long(cfg)
-    dp_mesh = parallel_dims.dim("dp")
-    dp_group = dp_mesh.get_group() if dp_mesh is not None and dp_degree > 1 else None
     train_loader, val_loader = build_loaders(cfg, tokenizer, dp_rank, dp_degree, dp_group)
     model_parts = built[0]
     optimizer, lr_scheduler = build_optimizers(cfg, model_parts, device.type)

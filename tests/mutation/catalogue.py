@@ -572,7 +572,7 @@ MUTANTS = [
     Mutant(
         "hf_export_writes_local_shards",
         "the HF export writes each rank's local shard instead of the gathered parameter",
-        "checkpoint/hf.py",
+        "checkpoint/hf_write.py",
         "full = t.full_tensor() if isinstance(t, DTensor) else t",
         "full = t.to_local() if isinstance(t, DTensor) else t",
         (f"{HF_EXPORT}[llama3-tp2_fsdp2-extra0]",),
@@ -580,7 +580,7 @@ MUTANTS = [
     Mutant(
         "hf_safetensors_writer_offsets_from_zero",
         "the streaming safetensors writer gives every tensor the byte range of the first",
-        "checkpoint/hf.py",
+        "checkpoint/hf_write.py",
         '                            "data_offsets": [start, end]}  # fmt: skip\n            start = end\n',
         '                            "data_offsets": [start, end]}  # fmt: skip\n            start = 0\n',
         (f"{HF_STREAM}::test_streamed_round_trip_is_exact[llama3]",),

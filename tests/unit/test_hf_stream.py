@@ -13,12 +13,12 @@ from checkpoint.hf import (
     HFFiles,
     read_slice,
     resolve_source,
-    stream_dcp_to_hf,
     stream_hf_to_dcp,
     tensor_map,
     to_hf_tensors,
     write_hf_weights,
 )
+from checkpoint.hf_write import stream_dcp_to_hf
 from checkpoint.storage import CheckpointError
 from models import get_model_spec
 
