@@ -211,10 +211,8 @@ def build_dataloader(
     ("train"/"validation") picks the part; for "huggingface" `split` is the HF split; for local
     files it is ignored. `tokenizer` may be a Tokenizer or a tokenizer file path.
 
-    `stream_shards` > 1 splits a streamed ("huggingface") training source into that many
-    virtual shards of its data files (`data.dataset.ShardedStream`): each rank then reads and
-    tokenises only its own shards when dp_degree divides stream_shards. `gather_cursors` (for
-    a sharded stream in a multi-rank run) all-gathers a cursor over the data-parallel ranks.
+    `stream_shards` > 1: a streamed training source in virtual shards (`sharded_stream`);
+    `gather_cursors` all-gathers a cursor over the data-parallel ranks (for its state).
     """
     for label, value, low in [("seq_len", seq_len, 1), ("local_batch_size", local_batch_size, 1)]:
         if value < low:
@@ -233,25 +231,44 @@ def build_dataloader(
         text_field=text_field,
         cache_dir=cache_dir or default_cache_dir(),
     )
-    if stream_shards > 1 and (mixture or dataset != "huggingface" or not infinite):
-        raise ValueError(
-            "stream_shards > 1 splits a streamed training dataset (dataset = 'huggingface', "
-            "no mixture, infinite); this loader reads "
-            + ("a mixture" if mixture else f"{dataset!r}" + ("" if infinite else " once"))
-        )
     if stream_shards > 1:
+        if mixture or dataset != "huggingface" or not infinite:
+            raise ValueError(
+                "stream_shards > 1 splits a streamed training dataset (dataset = 'huggingface',"
+                " no mixture, infinite); this loader reads "
+                + ("a mixture" if mixture else f"{dataset!r}" + ("" if infinite else " once"))
+            )
         source = sharded_stream(
             dataset_path, tokenizer, seq_len, split, text_field, stream_shards, dp_degree
         )
     elif mixture:
-        entries = parse_mixture(mixture)
-        parts = [build(dataset=kind, dataset_path=path) for kind, path, _ in entries]
-        for i, part in enumerate(parts):
-            _shuffle(part, None if shuffle_seed is None else shuffle_seed + i)
-        labels = [f"mix{i}" for i in range(len(parts))]
-        source = MixtureSource(parts, [w for *_, w in entries], labels)
+        source = _mixture(mixture, build, shuffle_seed)
     else:
         source = _shuffle(build(dataset=dataset, dataset_path=dataset_path), shuffle_seed)
+    _warn_of_loader_problems(source, infinite, local_batch_size, dp_degree)
+    return DPDataLoader(
+        source,
+        local_batch_size=local_batch_size,
+        dp_rank=dp_rank,
+        dp_degree=dp_degree,
+        infinite=infinite,
+        documents=documents,
+        gather_cursors=gather_cursors,
+    )
+
+
+def _mixture(mixture: list[str], build: Callable, shuffle_seed: int | None) -> MixtureSource:
+    """`KIND:PATH:WEIGHT` entries blended by weight, source i shuffled with shuffle_seed + i."""
+    entries = parse_mixture(mixture)
+    parts = [build(dataset=kind, dataset_path=path) for kind, path, _ in entries]
+    for i, part in enumerate(parts):
+        _shuffle(part, None if shuffle_seed is None else shuffle_seed + i)
+    labels = [f"mix{i}" for i in range(len(parts))]
+    return MixtureSource(parts, [w for *_, w in entries], labels)
+
+
+def _warn_of_loader_problems(source, infinite: bool, local_batch_size: int, dp_degree: int):
+    """A finite pass with no whole global batch; one stream read whole by several ranks."""
     global_batch = local_batch_size * dp_degree
     if not infinite and isinstance(source, PackedTokens) and source.num_sequences < global_batch:
         logger.warning(
@@ -259,7 +276,7 @@ def build_dataloader(
             "a pass over it yields no batches; use a smaller batch or seq_len",
             source.name,
             source.num_sequences,
-            seq_len,
+            source.seq_len,
             local_batch_size,
             dp_degree,
         )
@@ -271,15 +288,6 @@ def build_dataloader(
             source.name,
             dp_degree,
         )
-    return DPDataLoader(
-        source,
-        local_batch_size=local_batch_size,
-        dp_rank=dp_rank,
-        dp_degree=dp_degree,
-        infinite=infinite,
-        documents=documents,
-        gather_cursors=gather_cursors,
-    )
 
 
 def build_source(
