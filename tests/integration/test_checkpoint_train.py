@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import SELECTED_ITEMS, TINY_SHAPE, Run, launch_many
-from parity import EXACT, FP32, assert_layout, assert_parity
+from parity import EXACT, FP32, assert_layout, assert_parity, moe_local_blocks
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESET = "debug_model"
@@ -491,12 +491,14 @@ def test_sharded_stream_resumes_at_another_dp_through_train(tmp_path):
     env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     ref = tmp_path / "ref"
     ok(train(ref, "fsdp2", *stream, env=env))
+    assert_layout(ref, 2, list(stream))
     saved = dcp_values(ref / "checkpoint/step-3", {"dataloader": {"state": b""}})["dataloader"]
     assert saved["consumed_sequences"] == 3 * 8
     assert sorted(saved["cursor"]["shards"]) == ["0", "1", "2", "3"]  # both ranks' shards
     resumed = tmp_path / "resumed"
     copy_checkpoint(ref, 3, resumed)
     ok(train(resumed, "single", *stream, env=env))
+    assert_layout(resumed, 1, list(stream))
     assert sorted(losses(resumed)) == [4, 5, 6]
     assert_parity(ref, resumed, FP32, first=4, step=6)
 
@@ -553,6 +555,9 @@ def test_hf_folder_loads_directly_into_a_sharded_run(tmp_path, family, layout, e
     ok(train(tmp_path / "one", "single", *model, *start))
     ok(train(tmp_path / "many", layout, *model, *extra, *start))
     assert "loaded the weights of Hugging Face folder" in log_text(tmp_path / "many")
+    nproc, layout_args = LAYOUTS[layout]
+    args = [*layout_args, *model, *extra]  # the run built the layout it names
+    assert_layout(tmp_path / "many", nproc, args, local_blocks=moe_local_blocks(nproc, args, 2))
     one, many = losses(tmp_path / "one")[1], losses(tmp_path / "many")[1]
     assert many == pytest.approx(one, rel=1e-5)
     assert one == pytest.approx(want, rel=1e-4)
@@ -585,6 +590,9 @@ def test_hf_export_loads_in_transformers_with_the_trained_logits(tmp_path, famil
             "float32",
         )
     )  # fmt: skip
+    nproc, layout_args = LAYOUTS[layout]
+    args = [*layout_args, "--model.name", family, *extra]  # the run built the layout it names
+    assert_layout(dump, nproc, args, local_blocks=moe_local_blocks(nproc, args, 2))
     folder = dump / "checkpoint"
     assert (folder / "hf-step-1").is_dir() and (folder / "hf-step-2").is_dir()
     index = json.loads((folder / "hf-step-2" / "model.safetensors.index.json").read_text())
