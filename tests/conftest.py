@@ -66,6 +66,72 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # read back through tests/dist_utils.SELECTED_ITEMS; spelled out here because this file is
     # also copied alone into the inner pytest runs of tests/integration/test_slurm.py
     config.meshtrain_selected_items = list(items)
+    by_module: dict = {}
+    for item in items:
+        if hasattr(item.module, "pool_runs"):
+            by_module.setdefault(item.module, []).append(item)
+    if by_module:
+        from run_pool import Pool  # tests/run_pool.py: every train.py run of the session
+
+        pool = Pool(config._tmp_path_factory.mktemp("pool", numbered=False))
+        for module, selected in by_module.items():
+            pool.declare(module.__name__, module.pool_runs(selected))
+        config.meshtrain_pool = pool
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session: pytest.Session) -> None:
+    """The pool starts launching as the tests start: runs go on while other tests run."""
+    pool = getattr(session.config, "meshtrain_pool", None)
+    if pool is not None and not session.config.option.collectonly:
+        pool.start()
+
+
+@pytest.fixture(scope="session")
+def pool(request):
+    """The session's run pool (tests/run_pool.py), for runs a test makes as it runs."""
+    from run_pool import Pool
+
+    config = request.config
+    if getattr(config, "meshtrain_pool", None) is None:
+        config.meshtrain_pool = Pool(config._tmp_path_factory.mktemp("pool", numbered=False))
+    return config.meshtrain_pool
+
+
+@pytest.fixture(scope="module")
+def runs(request, pool):
+    """The runs this module declares in `pool_runs`, by name, once all have finished."""
+    return pool.wait(request.module.__name__)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    pool = getattr(session.config, "meshtrain_pool", None)
+    if pool is not None:
+        pool.close()
+
+
+# seconds per test file (setup, call and teardown of its tests), for the closing table
+_FILE_SECONDS: dict[str, list[float]] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    entry = _FILE_SECONDS.setdefault(report.nodeid.split("::")[0], [0.0, 0])
+    entry[0] += report.duration
+    entry[1] += report.when == "call"
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    """Where the time went: every test file's seconds (a module's first test carries the wait
+    for its runs), then what the run pool launched and de-duplicated."""
+    if len(_FILE_SECONDS) > 1:
+        terminalreporter.section("seconds per test file")
+        total = sum(s for s, _ in _FILE_SECONDS.values())
+        for path, (seconds, tests) in sorted(_FILE_SECONDS.items(), key=lambda x: -x[1][0]):
+            terminalreporter.write_line(f"{seconds:8.1f} s {tests:5d} tests  {path}")
+        terminalreporter.write_line(f"{total:8.1f} s in all")
+    pool = getattr(config, "meshtrain_pool", None)
+    if pool is not None:
+        terminalreporter.write_line(pool.summary())
 
 
 def pytest_configure(config: pytest.Config) -> None:

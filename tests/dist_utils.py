@@ -1,13 +1,11 @@
 """Helpers to launch real multi-process `train.py` runs on tiny configs and read their metrics.
 
-Runs use gloo on CPU; `launch_many` starts several at once (bounded), since most of a short
-run's wall time is process start-up, not compute. It forks each run's ranks from one warm
-process that has imported torch and the trainer already (`tests/fork_launcher.py`: the
-environment torchrun gives its workers, torchrun's exit status); MESHTRAIN_TEST_TORCHRUN=1
-launches every run with torchrun itself instead, as `Run.command` prints. A forked run whose
-first failing rank was killed by a signal (a native crash in gloo or the runtime, never a
-Python error, a wrong number or a hang) is relaunched once in a fresh folder, its first log
-kept beside it, and `Run.output` starts with a line saying so.
+Runs use gloo on CPU. Tests declare them as `Run`s and the session-wide pool
+(`tests/run_pool.py`) launches each distinct one once. `start_run` forks a run's ranks from
+one warm process that has imported torch and the trainer already (`tests/fork_launcher.py`:
+the environment torchrun gives its workers, torchrun's exit status);
+MESHTRAIN_TEST_TORCHRUN=1 launches every run with torchrun itself instead, as `Run.command`
+prints.
 """
 
 from __future__ import annotations
@@ -20,8 +18,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,13 +52,15 @@ class Run:
     """One `train.py` launch: its dump folder, ranks, arguments and (once done) its outcome."""
 
     name: str
-    folder: Path
     nproc: int
     args: list[str] = field(default_factory=list)
+    folder: Path | None = None  # where it writes: the pool's choice (tests/run_pool.py)
     after: str | None = None  # start only once the run of this name has finished
     env: dict[str, str] = field(default_factory=dict)  # extra environment variables
     config: str | Path = TINY_CONFIG  # --config: a preset name or a TOML file
-    prepare: Callable[[], None] | None = None  # called just before the launch (copy a checkpoint)
+    # (run name, path in its folder): copied into this run's folder before the launch
+    copy_from: tuple[str, str] | None = None
+    timeout: float = 900.0  # seconds, then the run is killed
     returncode: int | None = None
     output: str = ""
     seconds: float = 0.0
@@ -159,7 +157,7 @@ class _ForkedRun:
         return self.returncode
 
 
-def _start(run: Run, log) -> subprocess.Popen | _ForkedRun:
+def start_run(run: Run, log) -> subprocess.Popen | _ForkedRun:
     if os.environ.get("MESHTRAIN_TEST_TORCHRUN", "") not in ("", "0"):
         return subprocess.Popen(
             run.command(),
@@ -170,54 +168,6 @@ def _start(run: Run, log) -> subprocess.Popen | _ForkedRun:
             start_new_session=True,
         )
     return _ForkedRun(run, Path(log.name))
-
-
-def launch_many(runs: list[Run], parallel: int = 2, timeout: float = 600) -> dict[str, Run]:
-    """Runs every launch to completion, at most `parallel` at a time; returns them by name."""
-    pending, active, done = list(runs), [], set()
-    deadline = time.monotonic() + timeout
-    while pending or active:
-        while len(active) < parallel:
-            ready = [r for r in pending if r.after is None or r.after in done]
-            if not ready:
-                break
-            run = ready[0]
-            pending.remove(run)
-            run.folder.parent.mkdir(parents=True, exist_ok=True)
-            if run.prepare is not None:
-                run.prepare()
-            log = open(run.folder.with_suffix(".log"), "w+")  # closed when the run ends
-            proc = _start(run, log)
-            active.append((run, proc, log, time.monotonic()))
-        time.sleep(0.2)
-        for item in list(active):
-            run, proc, log, started = item
-            if proc.poll() is None and time.monotonic() < deadline:
-                continue
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            log.seek(0)
-            output = log.read()[-20000:]
-            log.close()
-            active.remove(item)
-            if getattr(proc, "crashed", "") and not run.relaunched:
-                aside = run.folder.with_name(run.folder.name + ".crashed")
-                os.replace(run.folder.with_suffix(".log"), f"{aside}.log")
-                if run.folder.exists():
-                    os.replace(run.folder, aside)
-                run.relaunched = f"{proc.crashed}: relaunched once (first attempt: {aside})"
-                pending.insert(0, run)
-                continue
-            run.returncode, run.seconds = proc.returncode, time.monotonic() - started
-            note = f"launch_many: {run.name}: {run.relaunched}\n" if run.relaunched else ""
-            run.output = note + output
-            done.add(run.name)
-    return {r.name: r for r in runs}
-
-
-def launch(run: Run, timeout: float = 600) -> Run:
-    return launch_many([run], parallel=1, timeout=timeout)[run.name]
 
 
 def _free_port() -> int:

@@ -3,7 +3,7 @@ forks every rank of every run from itself, so no run pays the imports again.
 
 Most of a tiny test run's wall time is process start-up, and most of that is importing torch
 and the project (about 3 CPU-seconds a process, 4 processes for a 2-rank torchrun launch).
-`tests/dist_utils.launch_many` starts this script once per test process and writes one JSON
+`tests/dist_utils.start_run` starts this script once per test process and writes one JSON
 request per line to its stdin: {"argv", "nproc", "env", "log"}. For each it forks a
 supervisor (answering its pid on stdout), which forks the ranks with the environment torchrun
 gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...), each running
@@ -11,7 +11,7 @@ gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...), each ru
 `<log>.rc` when all are done: torchrun's status (0, or 1 if any rank failed, the other ranks
 then stopped as torchrun stops them) or, for one process, `python train.py`'s own; followed by
 "crash RANK SIGNAL" when the first rank to fail was killed by a signal (a native crash, not a
-Python error: `launch_many` relaunches such a run once).
+Python error: the run pool, tests/run_pool.py, relaunches such a run once).
 
 What a fork keeps: only imported modules; the parent runs no torch operation and starts no
 thread (checked), so each rank initialises its process group, thread pools and RNGs itself

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from dist_utils import SELECTED_ITEMS, Run, launch_many, read_records
+from dist_utils import Run, read_records
 
 from scripts.loss_compare import compare, read_metric
 
@@ -197,14 +197,12 @@ def assert_parity(ref: Path, run: Path, tol: Tolerance, *, first: int = 1, step:
 # --- which runs the selected tests need ------------------------------------------------------
 
 
-def selected_runs(request, names, needs: dict, *depends: dict) -> set[str]:
-    """The runs that the selected tests of the requesting module need: their parameters that
+def selected_runs(selected, names, needs: dict, *depends: dict) -> set[str]:
+    """The runs that the `selected` test items (of one module) need: their parameters that
     name a run in `names`, `needs[test name]`, and everything those depend on through the
     `depends` maps (run -> run it needs). So `pytest -k NAME` launches only what NAME needs."""
     want = set()
-    for item in getattr(request.config, SELECTED_ITEMS):
-        if item.module is not request.module:
-            continue
+    for item in selected:
         callspec = getattr(item, "callspec", None)
         want |= {v for v in (callspec.params.values() if callspec else ()) if v in names}
         want |= set(needs.get(item.originalname, ()))
@@ -215,53 +213,48 @@ def selected_runs(request, names, needs: dict, *depends: dict) -> set[str]:
         want |= more
 
 
-def family_runs(
-    base: Path, want: set[str], common: list[str], references: dict, layouts: dict, **run
-) -> list[Run]:
+def family_runs(want: set[str], common: list[str], references: dict, layouts: dict,
+                **run) -> list[Run]:  # fmt: skip
     """The runs of `want`: one-process references (name: arguments) and layouts (id: `Layout`),
-    each in `base / name` with the `common` arguments first; `run`: more `Run` fields for the
-    layouts (env)."""
-    todo = [Run(n, base / n, 1, [*common, *a]) for n, a in references.items() if n in want]
+    each with the `common` arguments first; `run`: more `Run` fields for the layouts (env)."""
+    todo = [Run(n, 1, [*common, *a]) for n, a in references.items() if n in want]
     todo += [
-        Run(n, base / n, row.nproc, [*common, *row.args], after=row.after, **run)
+        Run(n, row.nproc, [*common, *row.args], after=row.after, **run)
         for n, row in layouts.items()
         if n in want
     ]
     return todo
 
 
-def resumed_runs(base: Path, want: set[str], common: list[str], rows: dict) -> list[Run]:
+def resumed_runs(want: set[str], common: list[str], rows: dict) -> list[Run]:
     """The runs of `want` among `rows` (id: `Layout`), each resumed from the step-10 checkpoint
-    of its `after` run (optimizer included) in `base / after`."""
+    of its `after` run (optimizer included)."""
     todo = []
     for n, row in rows.items():
         if n in want:
-            saved = base / row.after / "checkpoint" / "step-10"
-            load = [f"--checkpoint.initial_load_path={saved}"]
-            load += ["--checkpoint.initial_load_model_only=false"]
-            todo.append(Run(n, base / n, row.nproc, [*common, *row.args, *load], after=row.after))
+            load = [f"--checkpoint.initial_load_path={{run:{row.after}}}/checkpoint/step-10",
+                    "--checkpoint.initial_load_model_only=false"]  # fmt: skip
+            todo.append(Run(n, row.nproc, [*common, *row.args, *load], after=row.after))
     return todo
 
 
-def launch_family(
-    request,
-    base: Path,
+def family_pool_runs(
+    selected,
     common: list[str],
     references: dict,
     layouts: dict,
     resumed: dict | None = None,
     needs: dict | None = None,
     **run,
-) -> dict[str, Run]:
-    """A family parity module's runs: those its selected tests need (`selected_runs`; `needs`:
-    test name -> runs), the one-process references, the layouts and the `resumed` rows, in
-    `base`, launched two at a time, widest first; `run`: more `Run` fields for the layouts."""
+) -> list[Run]:
+    """A family parity module's runs (its `pool_runs`): those its selected tests need
+    (`selected_runs`; `needs`: test name -> runs), the one-process references, the layouts and
+    the `resumed` rows; `run`: more `Run` fields for the layouts."""
     resumed = resumed or {}
-    want = selected_runs(request, layouts, needs or {}, *links(layouts, resumed))
-    todo = family_runs(base, want, common, references, layouts, **run)
-    todo += resumed_runs(base, want, common, resumed)
-    todo.sort(key=lambda r: -r.nproc)
-    return launch_many(todo, parallel=2)
+    want = selected_runs(selected, layouts, needs or {}, *links(layouts, resumed))
+    return family_runs(want, common, references, layouts, **run) + resumed_runs(
+        want, common, resumed
+    )
 
 
 # --- the layout a run must have built -------------------------------------------------------

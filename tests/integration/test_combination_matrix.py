@@ -25,10 +25,9 @@ from __future__ import annotations
 import json
 import math
 import os
-from pathlib import Path
 
 import pytest
-from dist_utils import Run, launch_many
+from dist_utils import Run
 from matrix import (
     DESIGN_FILE,
     FACTORS,
@@ -72,33 +71,28 @@ def tolerance(row: Row) -> Tolerance:
     )
 
 
-def second_launch(name: str, row: Row, base: Path, args: list[str]) -> list[str] | None:
+def second_launch(name: str, row: Row, args: list[str]) -> list[str] | None:
     """The arguments of the row's second launch, if it has one."""
     if row["relaunch"] == "warm_rerun":  # the same run, on the cache the first one filled
-        return args
+        return args  # a launch of its own: it starts after the first (tests/run_pool.py)
     if row["relaunch"] == "resume_async":  # from the step-2 checkpoint the first saved async
-        step2 = base / name / "checkpoint" / "step-2"
-        return [*args, "--checkpoint.initial_load_path", str(step2),
+        return [*args, "--checkpoint.initial_load_path", f"{{run:{name}}}/checkpoint/step-2",
                 "--checkpoint.initial_load_model_only", "false"]  # fmt: skip
     return None
 
 
-@pytest.fixture(scope="module")
-def runs(request, tmp_path_factory):
-    base = tmp_path_factory.mktemp("matrix")
+def pool_runs(selected):
     # one inductor cache for the whole design, as every run on one machine shares one
-    env = {"TORCHINDUCTOR_CACHE_DIR": str(base / "inductor_cache")}
+    env = {"TORCHINDUCTOR_CACHE_DIR": "{pool}/inductor_matrix"}
     todo, refs = [], {}
-    for name in sorted(selected_runs(request, ROWS, {})):
+    for name in sorted(selected_runs(selected, ROWS, {})):
         launch = launch_of(ROWS[name])
         refs[launch.reference] = launch.reference_args
-        todo.append(Run(name, base / name, launch.nproc, launch.args, env=env))
-        again = second_launch(name, ROWS[name], base, launch.args)
+        todo.append(Run(name, launch.nproc, launch.args, env=env))
+        again = second_launch(name, ROWS[name], launch.args)
         if again is not None:
-            todo.append(Run(f"{name}_again", base / f"{name}_again", launch.nproc, again,
-                            env=env, after=name))  # fmt: skip
-    todo = [Run(n, base / n, 1, a) for n, a in sorted(refs.items())] + todo
-    return launch_many(todo, parallel=2, timeout=5400)  # the whole batch
+            todo.append(Run(f"{name}_again", launch.nproc, again, env=env, after=name))
+    return [Run(n, 1, a) for n, a in sorted(refs.items())] + todo
 
 
 def _rel(a: float, b: float) -> float:

@@ -18,7 +18,6 @@ from the plain one (documents end inside the 32-token windows of the sample corp
 from __future__ import annotations
 
 import pytest
-from dist_utils import launch_many
 from parity import (
     CHECKPOINT_ARGS,
     EXACT,
@@ -31,11 +30,8 @@ from parity import (
     assert_layout,
     assert_parity,
     assert_router_parity,
-    family_runs,
+    family_pool_runs,
     final_weights,
-    links,
-    resumed_runs,
-    selected_runs,
     table,
     weight_diff,
 )
@@ -106,19 +102,13 @@ REFERENCES = {
 COMMON = ["--training.steps", str(STEPS), *CHECKPOINT_ARGS]
 
 
-@pytest.fixture(scope="module")
-def runs(request, tmp_path_factory):
-    base = tmp_path_factory.mktemp("cp_parity")
+def pool_runs(selected):
     needs = {
         "test_resume_and_reshard_cp": [*RESUMED, "llama_doc"],
         "test_document_mask_changes_training": ["llama", "llama_doc"],
     }
-    want = selected_runs(request, LAYOUTS, needs, *links(LAYOUTS, RESUMED))
-    env = {"TORCHINDUCTOR_CACHE_DIR": str(base / "inductor_cache")}  # see test_parallel_parity
-    todo = family_runs(base, want, COMMON, REFERENCES, LAYOUTS, env=env)
-    todo += resumed_runs(base, want, COMMON, RESUMED)
-    todo.sort(key=lambda r: ("compile" not in " ".join(r.args), -r.nproc))
-    return launch_many(todo, parallel=2)
+    env = {"TORCHINDUCTOR_CACHE_DIR": "{pool}/inductor_cp"}  # see test_moe_parity
+    return family_pool_runs(selected, COMMON, REFERENCES, LAYOUTS, RESUMED, needs, env=env)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

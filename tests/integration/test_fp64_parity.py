@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import launch_many
 from parity import (
     CHECKPOINT_ARGS,
     FP64,
@@ -26,11 +25,9 @@ from parity import (
     assert_layout,
     assert_parity,
     assert_router_parity,
-    family_runs,
+    family_pool_runs,
     final_weights,
-    links,
     moe_local_blocks,
-    selected_runs,
     table,
 )
 
@@ -88,14 +85,8 @@ LAYOUTS = table(
 # fmt: on
 
 
-@pytest.fixture(scope="module")
-def runs(request, tmp_path_factory):
-    base = tmp_path_factory.mktemp("fp64_parity")
-    want = selected_runs(request, LAYOUTS, {}, *links(LAYOUTS))
-    widest_first = sorted(
-        family_runs(base, want, COMMON, REFERENCES, LAYOUTS), key=lambda r: -r.nproc
-    )
-    return launch_many(widest_first, parallel=2)
+def pool_runs(selected):
+    return family_pool_runs(selected, COMMON, REFERENCES, LAYOUTS)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

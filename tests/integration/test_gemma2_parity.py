@@ -11,7 +11,6 @@ checkpoint resumes bit for bit in the same layout and resharded onto TP 2.
 from __future__ import annotations
 
 import pytest
-from dist_utils import launch_many
 from parity import (
     CHECKPOINT_ARGS,
     EXACT,
@@ -20,10 +19,7 @@ from parity import (
     Layout,
     assert_layout,
     assert_parity,
-    family_runs,
-    links,
-    resumed_runs,
-    selected_runs,
+    family_pool_runs,
     table,
 )
 
@@ -57,15 +53,9 @@ RESUMED = table(
 REFERENCES = {"gemma2": GEMMA2, "gemma2_doc": (*GEMMA2, DOC)}
 
 
-@pytest.fixture(scope="module")
-def runs(request, tmp_path_factory):
-    base = tmp_path_factory.mktemp("gemma2_parity")
+def pool_runs(selected):
     needs = {"test_resume_and_reshard": RESUMED}
-    want = selected_runs(request, LAYOUTS, needs, *links(LAYOUTS, RESUMED))
-    todo = family_runs(base, want, COMMON, REFERENCES, LAYOUTS)
-    todo += resumed_runs(base, want, COMMON, RESUMED)
-    todo.sort(key=lambda r: -r.nproc)
-    return launch_many(todo, parallel=2)
+    return family_pool_runs(selected, COMMON, REFERENCES, LAYOUTS, RESUMED, needs)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -25,8 +25,8 @@ from parity import (
     Layout,
     assert_layout,
     assert_parity,
+    family_pool_runs,
     final_weights,
-    launch_family,
     table,
     weight_diff,
 )
@@ -54,14 +54,12 @@ RESUMED = table(
 REFERENCES = {"gemma3": GEMMA3, "gemma3_doc": (*GEMMA3, DOC)}
 
 
-@pytest.fixture(scope="module")
-def runs(request, tmp_path_factory):
-    base = tmp_path_factory.mktemp("gemma3_parity")
+def pool_runs(selected):
     needs = {
         "test_resume_is_exact": RESUMED,
         "test_document_mask_changes_training": ["gemma3", "gemma3_doc"],
     }
-    return launch_family(request, base, COMMON, REFERENCES, LAYOUTS, RESUMED, needs)
+    return family_pool_runs(selected, COMMON, REFERENCES, LAYOUTS, RESUMED, needs)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

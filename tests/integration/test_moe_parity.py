@@ -11,7 +11,7 @@ count moves the weights visibly); the bias balancing and the z-loss are on where
 from __future__ import annotations
 
 import pytest
-from dist_utils import launch_many, read_records
+from dist_utils import read_records
 from parity import (
     CHECKPOINT_ARGS,
     EXACT,
@@ -21,11 +21,8 @@ from parity import (
     assert_layout,
     assert_parity,
     assert_router_parity,
-    family_runs,
-    links,
+    family_pool_runs,
     options,
-    resumed_runs,
-    selected_runs,
     table,
 )
 
@@ -93,21 +90,15 @@ def expected_local_blocks(nproc: int, args: list[str]) -> int:
     return layers * (attention // (tp * shard) + (router + experts) // shard)
 
 
-@pytest.fixture(scope="module")
-def runs(request, tmp_path_factory):
-    base = tmp_path_factory.mktemp("moe_parity")
+def pool_runs(selected):
     needs = {
         "test_resume_and_reshard_across_ep_degrees": [*RESUMED, "aux"],
         "test_moe_reference_trains_and_balances": ["aux", "aux_bias"],
     }
-    want = selected_runs(request, LAYOUTS, needs, *links(LAYOUTS, RESUMED))
-    # a private inductor cache, as test_parallel_parity.py's (torch 2.13 has handed a stale
-    # compiled TP graph from another run's cache entries back)
-    env = {"TORCHINDUCTOR_CACHE_DIR": str(base / "inductor_cache")}
-    todo = family_runs(base, want, COMMON, REFERENCES, LAYOUTS, env=env)
-    todo += resumed_runs(base, want, COMMON, RESUMED)
-    todo.sort(key=lambda r: -r.nproc)
-    return launch_many(todo, parallel=2)
+    # a private inductor cache (torch 2.13 has handed a stale compiled TP graph from another
+    # run's cache entries back)
+    env = {"TORCHINDUCTOR_CACHE_DIR": "{pool}/inductor_moe"}
+    return family_pool_runs(selected, COMMON, REFERENCES, LAYOUTS, RESUMED, needs, env=env)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

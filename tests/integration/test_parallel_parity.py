@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import Run, launch_many
+from dist_utils import Run
 from parity import (
     CHECKPOINT_ARGS,
     FP32,
@@ -37,6 +37,9 @@ from parity import (
 
 from scripts.loss_compare import rel_diff
 
+# tests/tiny_model.toml for 20 steps, saving at steps 10 and 20 (test_checkpoint_train.py
+# resumes and reshards these runs' checkpoints)
+COMMON = ["--training.steps", str(STEPS), *CHECKPOINT_ARGS]
 BF16 = "--training.mixed_precision_param=bfloat16"
 MIX = '--training.mixture=["sample:train:3", "sample:train:1"]'
 
@@ -113,28 +116,19 @@ RERUN_OF = {"tp2_fsdp2_compile_rerun": "tp2_fsdp2_compile"}
 RERUN_STEPS = 4
 
 
-@pytest.fixture(scope="module")
-def runs(request, tmp_path_factory):
-    base = tmp_path_factory.mktemp("parity")
+def pool_runs(selected) -> list[Run]:
+    """The runs the selected tests need (tests/run_pool.py launches them)."""
     names = {*LAYOUTS, *RESUMES}
     depends = links(LAYOUTS, RESUMES)
-    want = {"reference"} | selected_runs(request, names, NEEDS, *depends, RERUN_OF)
-    # A private inductor cache, shared by this module's runs: only their own compiles are
-    # reused, not those of whatever ran on this machine before.
-    env = {"TORCHINDUCTOR_CACHE_DIR": str(base / "inductor_cache")}
-    common = ["--training.steps", str(STEPS), *CHECKPOINT_ARGS]
-    todo = [Run("reference", base / "reference", 1, common)]
-    todo += family_runs(base, want, common, {}, LAYOUTS, env=env)
-    todo += resumed_runs(base, want, common, RESUMES)
+    want = {"reference"} | selected_runs(selected, names, NEEDS, *depends, RERUN_OF)
+    todo = [Run("reference", 1, COMMON)]
+    todo += family_runs(want, COMMON, {}, LAYOUTS)
+    todo += resumed_runs(want, COMMON, RESUMES)
     for rerun, first in RERUN_OF.items():
-        if rerun in want:
+        if rerun in want:  # on the compile cache the first run filled (the pool's one cache)
             args = ["--training.steps", str(RERUN_STEPS), *LAYOUTS[first].args]
-            nproc = LAYOUTS[first].nproc
-            todo.append(Run(rerun, base / rerun, nproc, args, after=first, env=env))
-    # Compile runs and the widest runs are the slowest: start them first so others overlap.
-    todo.sort(key=lambda r: ("compile" not in r.name, -r.nproc))
-    # One deadline for all the module's runs, four of them compiled plus a compiled rerun.
-    return launch_many(todo, parallel=2, timeout=900)
+            todo.append(Run(rerun, LAYOUTS[first].nproc, args, after=first))
+    return todo
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

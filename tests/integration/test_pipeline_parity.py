@@ -12,7 +12,7 @@ schedule's forward-only path. Only the runs the selected tests need are launched
 from __future__ import annotations
 
 import pytest
-from dist_utils import Run, launch_many
+from dist_utils import Run
 from parity import (
     CHECKPOINT_ARGS,
     FP32,
@@ -98,18 +98,14 @@ PARAMS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def runs(request, tmp_path_factory):
-    base = tmp_path_factory.mktemp("pp_parity")
-    want = selected_runs(request, LAYOUTS, {}, *links(LAYOUTS)) | {"reference"}
+def pool_runs(selected):
+    want = selected_runs(selected, LAYOUTS, {}, *links(LAYOUTS)) | {"reference"}
     want = {n for n in want if n not in LAYOUTS or V_ON_GLOO or not _v_schedule(LAYOUTS[n].args)}
-    todo = family_runs(base, want, COMMON, {}, LAYOUTS)
-    todo.append(Run("reference", base / "reference", 1, COMMON))
+    todo = family_runs(want, COMMON, {}, LAYOUTS)
+    todo.append(Run("reference", 1, COMMON))
     if "reference_8_layers" in want:
-        todo.append(Run("reference_8_layers", base / "reference8", 1, COMMON + EIGHT_LAYERS))
-    # The widest runs are the slowest: start them first so the others overlap them.
-    todo.sort(key=lambda r: -r.nproc)
-    return launch_many(todo, parallel=2)
+        todo.append(Run("reference_8_layers", 1, COMMON + EIGHT_LAYERS))
+    return todo
 
 
 @pytest.mark.parametrize("name", PARAMS)

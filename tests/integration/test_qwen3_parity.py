@@ -17,7 +17,7 @@ from parity import (
     Layout,
     assert_layout,
     assert_parity,
-    launch_family,
+    family_pool_runs,
     table,
 )
 
@@ -58,11 +58,9 @@ REFERENCES = {
 }
 
 
-@pytest.fixture(scope="module")
-def runs(request, tmp_path_factory):
-    base = tmp_path_factory.mktemp("qwen3_parity")
+def pool_runs(selected):
     needs = {"test_tied_reference_has_one_matrix": ["tied"], "test_resume_and_reshard": RESUMED}
-    return launch_family(request, base, COMMON, REFERENCES, LAYOUTS, RESUMED, needs)
+    return family_pool_runs(selected, COMMON, REFERENCES, LAYOUTS, RESUMED, needs)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

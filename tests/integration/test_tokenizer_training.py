@@ -5,7 +5,7 @@ import math
 from pathlib import Path
 
 import pytest
-from dist_utils import Run, launch_many
+from dist_utils import Run
 from hf_tokenizer_files import HF_VOCAB, HF_WORDS, qwen_like_tokenizer
 
 
@@ -14,7 +14,7 @@ def qwen_like(tmp_path_factory) -> Path:
     return qwen_like_tokenizer(tmp_path_factory.mktemp("qwen"))
 
 
-def test_training_with_a_tokenizer_json(qwen_like, tmp_path):
+def test_training_with_a_tokenizer_json(qwen_like, tmp_path, pool):
     """train.py on one process with `--model.tokenizer_path <tokenizer.json>`: the model gets
     the tokenizer's vocabulary (the parameter count layout.json records is the one for its 300 tokens) and the
     loss is finite."""
@@ -28,7 +28,6 @@ def test_training_with_a_tokenizer_json(qwen_like, tmp_path):
         (docs / f"doc{i}.txt").write_text(" ".join(words) + " <|endoftext|> é🚀\n")
     run = Run(
         "hf_tokenizer",
-        tmp_path / "run",
         nproc=1,
         args=[
             "--model.tokenizer_path",
@@ -42,7 +41,7 @@ def test_training_with_a_tokenizer_json(qwen_like, tmp_path):
         ],  # fmt: skip
         env={"MESHTRAIN_CACHE": str(tmp_path / "cache")},
     )
-    run = launch_many([run])["hf_tokenizer"].check()
+    run = pool.launch(__name__, [run])["hf_tokenizer"].check()
     losses = run.losses()
     assert sorted(losses) == [1, 2, 3]
     assert all(math.isfinite(loss) for loss in losses.values())

@@ -874,7 +874,7 @@ def test_resume_restores_every_counter(files, tmp_path):
     weights, optimizer state (step counts, moments), LR schedule position, data loader
     position (its next batch), step and tokens seen, and the RNG streams.
 
-    The launches of tests/integration/test_checkpoint_train.py (test_exact_resume_sync_and_async)
+    The launches of tests/integration/test_checkpoint_train.py (test_exact_resume_with_async_saves)
     and tests/integration/test_checkpoint.py (test_resume_continues_bit_identically) show a
     resumed run's losses, gradient norms and weights continue exactly, which needs the model,
     optimizer, schedule, loader position and step; they cannot see tokens_seen (a logged count)
