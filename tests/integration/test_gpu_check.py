@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dist_utils import Run
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -34,7 +36,7 @@ def test_attention_check_passes_on_this_device(tmp_path):
     assert len(rows) == 5, table.read_text()
 
 
-def test_shaped_tokenizer_has_llama3_vocabulary_and_trains(tmp_path):
+def test_shaped_tokenizer_has_llama3_vocabulary_and_trains(tmp_path, pool):
     from data.tokenizer import build_tokenizer
 
     path = tmp_path / "shaped.tiktoken"
@@ -53,12 +55,9 @@ def test_shaped_tokenizer_has_llama3_vocabulary_and_trains(tmp_path):
     _, shaped_params = bench_measure.flops_per_token([*shape, "--model.tokenizer_path", str(path)])
     assert shaped_params - sample_params == 2 * 64 * (128_256 - 4096)  # embedding + output
 
-    dump = tmp_path / "run"
-    cmd = [sys.executable, "train.py", "--config", "tests/tiny_model.toml"]
-    cmd += ["--model.tokenizer_path", str(path), "--training.steps", "2"]
-    cmd += ["--training.local_batch_size", "2", "--job.dump_folder", str(dump)]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    args = ["--model.tokenizer_path", str(path), "--training.steps", "2",
+            "--training.local_batch_size", "2"]  # fmt: skip
+    dump = pool.launch(__name__, [Run("shaped", 1, args)])["shaped"].check().folder
     records = [json.loads(x) for x in (dump / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if r.get("kind") == "train"]
     assert len(losses) == 2 and 11.0 < losses[0] < 12.5  # ~ln(128,256) = 11.76 at init

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 import torch
-from dist_utils import ROOT, TINY_CONFIG, spawn
+from dist_utils import ROOT, TINY_CONFIG, Run, spawn
 
 from models.qwen3 import Qwen3, Qwen3Args
 
@@ -53,19 +53,19 @@ register(ModelSpec("outside", Transformer, {"small": ModelArgs(dim=64, n_layers=
 '''
 
 
-def test_a_family_registered_outside_the_tree_trains(tmp_path):
+def test_a_family_registered_outside_the_tree_trains(tmp_path, pool):
     package = tmp_path / "elsewhere" / "outside_family"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text(textwrap.dedent(FAMILY))
     family = ["--job.custom_import", str(package), "--model.name", "outside",
               "--model.flavor", "small"]  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "train.py", "--config", str(TINY_CONFIG), *family, "--training.steps", "3",
-           "--training.local_batch_size", "4", "--job.dump_folder", str(tmp_path / "run"),
-           "--checkpoint.enable", "--checkpoint.interval", "3"]  # fmt: skip
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    log = (tmp_path / "run" / "logs" / "rank_0.log").read_text()
+    trains = Run("outside", 2, [*family, "--training.steps", "3", "--training.local_batch_size",
+                                "4", "--checkpoint.enable", "--checkpoint.interval", "3"])  # fmt: skip
+    bad = Run("bad", 1, ["--job.custom_import", str(tmp_path / "nowhere.py"), "--model.name",
+                         "outside"])  # fmt: skip
+    done = pool.launch(__name__, [trains, bad])
+    run = done["outside"].check()
+    log = (run.folder / "logs" / "rank_0.log").read_text()
     assert "model outside small:" in log and "step 3 |" in log
     # the scripts honour job.custom_import too: the estimator plans the family, and the
     # conversion finds it (and refuses it by name: it gives no Hugging Face adapter)
@@ -75,19 +75,14 @@ def test_a_family_registered_outside_the_tree_trains(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert plan.returncode == 0 and "rank" in plan.stdout, plan.stdout[-2000:] + plan.stderr
-    ckpt = next((tmp_path / "run" / "checkpoint").glob("step-*"))
+    ckpt = next((run.folder / "checkpoint").glob("step-*"))
     export = subprocess.run(
         [sys.executable, "scripts/convert_to_hf.py", str(ckpt), str(tmp_path / "hf"),
          "--job.custom_import", str(package)],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert "model family 'outside' has no Hugging Face adapter" in export.stderr, export.stderr
-    bad = subprocess.run(
-        [sys.executable, "train.py", "--config", str(TINY_CONFIG), "--job.custom_import",
-         str(tmp_path / "nowhere.py"), "--model.name", "outside"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert bad.returncode == 2 and "job.custom_import" in bad.stderr
+    assert done["bad"].returncode == 2 and "job.custom_import" in done["bad"].output
 
 
 def test_importing_the_contract_or_a_parallelism_registers_no_family():

@@ -1,25 +1,21 @@
-"""Profiling in a real 2-rank torchrun run: traces, the communication breakdown, CPU memory
-snapshots declined."""
+"""Profiling in a real 2-rank run: traces, the communication breakdown, CPU memory snapshots
+declined."""
 
 import json
-import os
-import subprocess
-import sys
 
-from dist_utils import ROOT
+from dist_utils import Run
 
 
-def test_two_rank_run_writes_traces_breakdown_and_declines_cpu_snapshots(tmp_path):
-    dump = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += ["train.py", "--config", "tests/tiny_model.toml", "--job.dump_folder", str(dump)]
-    cmd += ["--training.steps", "4", "--training.local_batch_size", "4"]
-    cmd += ["--profiling.enable_profiling", "true", "--profiling.profile_freq", "4"]
-    cmd += ["--profiling.profiler_warmup", "1", "--profiling.profiler_active", "2"]
-    cmd += ["--profiling.enable_memory_snapshot", "true"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+def pool_runs(selected) -> list[Run]:
+    return [Run("profiled", 2, ["--training.steps", "4", "--training.local_batch_size", "4",
+                                "--profiling.enable_profiling", "true",
+                                "--profiling.profile_freq", "4", "--profiling.profiler_warmup",
+                                "1", "--profiling.profiler_active", "2",
+                                "--profiling.enable_memory_snapshot", "true"])]  # fmt: skip
+
+
+def test_two_rank_run_writes_traces_breakdown_and_declines_cpu_snapshots(runs):
+    dump = runs["profiled"].check().folder
     for rank in (0, 1):
         trace = dump / "profile_traces" / "iteration_4" / f"rank{rank}_trace.json"
         names = {e.get("name", "") for e in json.loads(trace.read_text())["traceEvents"]}

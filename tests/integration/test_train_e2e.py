@@ -1,4 +1,5 @@
-"""End-to-end runs of train.py: 2 CPU ranks under torchrun, determinism, NaN guard, SIGTERM."""
+"""End-to-end runs of train.py: 2 CPU ranks, determinism, NaN guard, SIGTERM (under torchrun
+itself: the signal goes to one of its workers), corpora and mixtures."""
 
 import json
 import os
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from dist_utils import TINY_SHAPE, read_param_counts
+from dist_utils import TINY_SHAPE, Run, read_param_counts
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = [
@@ -28,29 +29,33 @@ TINY = [
 ]
 
 
-def launch(dump: Path, *args, nproc: int = 1, wait: bool = True, timeout: int = 300):
-    cmd = [sys.executable, "train.py", *TINY, "--job.dump_folder", str(dump), *args]
-    if nproc > 1:
-        cmd[1:2] = [
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            "train.py",
-        ]
+def run(name: str, *args: str, nproc: int = 1, **fields) -> Run:
+    """A run of the tiny debug model (through the run pool, tests/run_pool.py)."""
+    return Run(name, nproc, [*TINY[2:], *args], config=TINY[1], **fields)
+
+
+DETERMINISTIC = ("--training.steps", "4", "--debug.deterministic", "true",
+                 "--validation.enable", "false")  # fmt: skip
+
+
+def pool_runs(selected) -> list[Run]:
+    return [
+        run("two_ranks", "--training.steps", "20", "--optimizer.lr", "3e-3",
+            "--validation.freq", "10", "--validation.steps", "2", nproc=2),
+        run("a", *DETERMINISTIC),
+        run("b", *DETERMINISTIC, after="a"),  # a launch of its own, after the first
+        # A huge LR makes the weights ~1e30 after step 1, so step 2's forward overflows to NaN.
+        run("nan", "--training.steps", "10", "--optimizer.lr", "1e30", "--training.max_norm", "0",
+            "--validation.enable", "false"),
+    ]  # fmt: skip
+
+
+def torchrun(dump: Path, *args) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "train.py", *TINY, "--job.dump_folder", str(dump), *args]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if not wait:
-        return subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    return out
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
 
 
 def records(dump: Path, kind: str = "train") -> list[dict]:
@@ -58,21 +63,8 @@ def records(dump: Path, kind: str = "train") -> list[dict]:
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
 
 
-def test_two_rank_run_learns_and_writes_every_output(tmp_path):
-    dump = tmp_path / "run"
-    out = launch(
-        dump,
-        "--training.steps",
-        "20",
-        "--optimizer.lr",
-        "3e-3",
-        "--validation.freq",
-        "10",
-        "--validation.steps",
-        "2",
-        nproc=2,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
+def test_two_rank_run_learns_and_writes_every_output(runs):
+    dump = runs["two_ranks"].check().folder
     train = records(dump)
     assert [r["step"] for r in train] == list(range(1, 21))
     for key in (
@@ -121,39 +113,19 @@ def test_two_rank_run_learns_and_writes_every_output(tmp_path):
     assert len(acc.Scalars("validation/loss")) == 2
 
 
-def test_deterministic_runs_are_bit_identical(tmp_path):
-    args = (
-        "--training.steps",
-        "4",
-        "--debug.deterministic",
-        "true",
-        "--validation.enable",
-        "false",
-    )
-    a = launch(tmp_path / "a", *args)
-    b = launch(tmp_path / "b", *args)
-    assert a.returncode == 0 and b.returncode == 0, a.stdout + a.stderr
-    la = [(r["loss"], r["grad_norm"]) for r in records(tmp_path / "a")]
-    lb = [(r["loss"], r["grad_norm"]) for r in records(tmp_path / "b")]
+def test_deterministic_runs_are_bit_identical(runs):
+    a, b = runs["a"].check(), runs["b"].check()
+    assert a.folder != b.folder
+    la = [(r["loss"], r["grad_norm"]) for r in records(a.folder)]
+    lb = [(r["loss"], r["grad_norm"]) for r in records(b.folder)]
     assert la == lb
 
 
-def test_non_finite_loss_stops_the_run_naming_the_step(tmp_path):
-    # A huge LR makes the weights ~1e30 after step 1, so step 2's forward overflows to NaN.
-    out = launch(
-        tmp_path / "nan",
-        "--training.steps",
-        "10",
-        "--optimizer.lr",
-        "1e30",
-        "--training.max_norm",
-        "0",
-        "--validation.enable",
-        "false",
-    )
-    assert out.returncode == 1
-    assert "non-finite loss or gradient norm at step 2" in out.stdout
-    train = records(tmp_path / "nan")
+def test_non_finite_loss_stops_the_run_naming_the_step(runs):
+    out = runs["nan"]
+    assert out.returncode == 1, out.output
+    assert "non-finite loss or gradient norm at step 2" in out.output
+    train = records(out.folder)
     assert [r["step"] for r in train] == [1, 2]  # logged first, then stopped
 
 
@@ -174,20 +146,9 @@ def test_sigterm_stops_cleanly_at_a_step_boundary(tmp_path):
     checkpoint and exits 0, so torchrun exits 0 too. (The signal goes to a worker, as SLURM
     delivers it, not to torchrun: torchrun itself exits 1 whenever it is signalled.)"""
     dump = tmp_path / "term"
-    proc = launch(
-        dump,
-        "--training.steps",
-        "10000",
-        "--validation.enable",
-        "false",
-        # only the stop saves a checkpoint
-        "--checkpoint.enable",
-        "true",
-        "--checkpoint.interval",
-        "1000",
-        nproc=2,
-        wait=False,
-    )
+    # only the stop saves a checkpoint
+    proc = torchrun(dump, "--training.steps", "10000", "--validation.enable", "false",
+                    "--checkpoint.enable", "true", "--checkpoint.interval", "1000")  # fmt: skip
     try:
         deadline = time.time() + 120
         while time.time() < deadline:
@@ -252,7 +213,7 @@ def test_failed_checkpoint_close_does_not_hide_the_training_error(tmp_path):
     assert [r["step"] for r in records(dump)] == [1, 2]
 
 
-def test_megatron_corpus_trains_with_boundaries_from_its_index(tmp_path):
+def test_megatron_corpus_trains_with_boundaries_from_its_index(tmp_path, pool):
     """A Megatron .bin/.idx corpus (the tests' own writer, published layout) of documents
     with no end-of-document token trains under 2 DP ranks with document masking: the
     boundaries come from the index. Each document counts up (mod 64) from a random id, so the
@@ -266,26 +227,14 @@ def test_megatron_corpus_trains_with_boundaries_from_its_index(tmp_path):
         docs.append([(first + k) % 64 for k in range(int(rng.integers(5, 60)))])
     write_megatron(tmp_path / "corpus", docs[:400])
     write_megatron(tmp_path / "held_out", docs[400:])
-    dump = tmp_path / "run"
-    out = launch(
-        dump,
-        "--training.dataset_path",
-        f"{tmp_path / 'corpus'}.idx",  # the suffix selects training.dataset = megatron
-        "--training.document_mask",
-        "true",
-        "--training.steps",
-        "16",
-        "--optimizer.lr",
-        "1e-2",
-        "--validation.dataset_path",
-        str(tmp_path / "held_out"),
-        "--validation.freq",
-        "16",
-        "--validation.steps",
-        "2",
-        nproc=2,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
+    corpus = run(
+        "corpus",
+        "--training.dataset_path", f"{tmp_path / 'corpus'}.idx",  # the suffix: megatron
+        "--training.document_mask", "true", "--training.steps", "16", "--optimizer.lr", "1e-2",
+        "--validation.dataset_path", str(tmp_path / "held_out"), "--validation.freq", "16",
+        "--validation.steps", "2", nproc=2,
+    )  # fmt: skip
+    dump = pool.launch(__name__, [corpus])["corpus"].check().folder
     train = records(dump)
     assert records(dump, "validation")[0]["loss"] < train[0]["loss"] - 2.0
     first, last = train[0]["loss"], sum(r["loss"] for r in train[-3:]) / 3
@@ -293,7 +242,7 @@ def test_megatron_corpus_trains_with_boundaries_from_its_index(tmp_path):
     assert "training.dataset = 'megatron' inferred" in (dump / "logs/rank_0.log").read_text()
 
 
-def test_mixture_logs_each_source_s_tokens(tmp_path):
+def test_mixture_logs_each_source_s_tokens(tmp_path, pool):
     """A 3:1 mixture of two Megatron corpora: metrics.jsonl holds each source's tokens so
     far, which add up to tokens_seen and follow the weights at every step, and each source's
     held-out loss (validation.per_source) beside the validation loss."""
@@ -301,14 +250,13 @@ def test_mixture_logs_each_source_s_tokens(tmp_path):
 
     for name, seed in (("web", 1), ("code", 2), ("web_val", 3), ("code_val", 4)):
         write_megatron(tmp_path / name, documents(300, seed, vocab=4000))
-    dump = tmp_path / "run"
     mixture = f'["megatron:{tmp_path / "web"}:3", "megatron:{tmp_path / "code"}:1"]'
     held_out = f'["megatron:{tmp_path / "web_val"}", "megatron:{tmp_path / "code_val"}"]'
-    out = launch(dump, "--training.mixture", mixture, "--training.steps", "4",
-                 "--validation.dataset", "megatron", "--validation.dataset_path",
-                 str(tmp_path / "web_val"), "--validation.per_source", held_out,
-                 "--validation.freq", "4", "--validation.steps", "2")  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr
+    mix = run("mix", "--training.mixture", mixture, "--training.steps", "4",
+              "--validation.dataset", "megatron", "--validation.dataset_path",
+              str(tmp_path / "web_val"), "--validation.per_source", held_out,
+              "--validation.freq", "4", "--validation.steps", "2")  # fmt: skip
+    dump = pool.launch(__name__, [mix])["mix"].check().folder
     (val,) = records(dump, "validation")
     assert val["loss_mix0"] == pytest.approx(val["loss"]) and val["loss_mix1"] > 0
     for r in records(dump):  # 4 sequences of 32 tokens a step: 3 from web, 1 from code
