@@ -49,7 +49,6 @@ DOC = "--training.document_mask=true"
 # one), against the one-process run of the family and masking.
 # fmt: off
 LAYOUTS = table(
-    Layout("llama_cp2", 2, ("--parallelism.context_parallel_degree=2",), "llama", FP32),
     Layout("llama_cp2_doc", 2, ("--parallelism.context_parallel_degree=2", "--training.document_mask=true"), "llama_doc", FP32),
     Layout("llama_cp4_accum", 4, ("--parallelism.context_parallel_degree=4", "--training.local_batch_size=4", "--training.global_batch_size=8"), "llama", FP32),
     Layout("llama_cp4_accum_doc", 4, ("--parallelism.context_parallel_degree=4", "--training.local_batch_size=4", "--training.global_batch_size=8", "--training.document_mask=true"), "llama_doc", FP32),
@@ -74,11 +73,8 @@ LAYOUTS = table(
     Layout("llama_cp2_zero1", 2, ("--parallelism.context_parallel_degree=2", "--parallelism.zero_stage=1"), "llama", FP32),
     Layout("llama_cp2_zero2_doc", 4, ("--parallelism.context_parallel_degree=2", "--parallelism.zero_stage=2", "--training.local_batch_size=4", DOC), "llama_doc", FP32),
     Layout("moe_cp2_doc", 2, (*MOE, "--parallelism.context_parallel_degree=2", DOC), "moe_doc", MOE_FP32),
-    # Every feature at once on 4 ranks: PP x CP, compile (the MoE blocks' attention, so the K/V
-    # gathers run in a compiled region inside an eager per-op checkpoint) and per-op AC. The
-    # load-balancing loss is off (under PP it is taken over a pipeline microbatch, not the
-    # reference's batch); the per-token z-loss instead.
-    Layout("moe_cp2_pp2_compile_ac_op", 4, (*MOE, "--moe.aux_loss_coeff=0", "--moe.z_loss_coeff=0.001", "--parallelism.context_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2", "--compile.enable=true", "--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op"), "moe_z", MOE_FP32),
+    # Every feature at once on 4 ranks (PP x CP, compiled attention inside per-op AC) is the
+    # float64 row test_fp64_parity.py[moe_cp2_pp2_compile_ac_op]; plain CP 2 is its llama_cp2.
     # EP 2 drawn from the CP ranks (every CP pair one EP group), the experts FSDP-sharded over
     # the 2 data-parallel ranks: their gradients divided by dp x cp, as the dense weights'
     Layout("moe_ep2_cp2_doc", 4, (*MOE, "--parallelism.context_parallel_degree=2", "--parallelism.expert_parallel_degree=2", "--training.local_batch_size=4", DOC), "moe_doc", MOE_FP32),

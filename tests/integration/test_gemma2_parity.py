@@ -37,17 +37,15 @@ COMMON = ["--training.steps", str(STEPS), *CHECKPOINT_ARGS]
 # fmt: off
 LAYOUTS = table(
     Layout("fsdp2", 2, (*GEMMA2, "--training.local_batch_size=4"), "gemma2", TOL),
-    Layout("tp2", 2, (*GEMMA2, TP2), "gemma2", TOL),
     Layout("tp2_fsdp2", 4, (*GEMMA2, TP2, "--training.local_batch_size=4"), "gemma2", TOL),
     Layout("cp2", 2, (*GEMMA2, CP2), "gemma2", TOL),
-    Layout("cp2_doc", 2, (*GEMMA2, CP2, DOC), "gemma2_doc", TOL),
     Layout("cp2_fsdp2", 4, (*GEMMA2, CP2, "--training.local_batch_size=4"), "gemma2", TOL),
     Layout("cp2_fsdp2_doc", 4, (*GEMMA2, CP2, DOC, "--training.local_batch_size=4"), "gemma2_doc", TOL),
     Layout("cp2_tp2_doc", 4, (*GEMMA2, CP2, TP2, DOC), "gemma2_doc", TOL),
 )
 RESUMED = table(
     Layout("fsdp2_resumed", 2, LAYOUTS["fsdp2"].args, "fsdp2", EXACT, after="fsdp2"),
-    Layout("fsdp2_to_tp2", 2, LAYOUTS["tp2"].args, "gemma2", TOL, after="fsdp2"),
+    Layout("fsdp2_to_tp2", 2, (*GEMMA2, TP2), "gemma2", TOL, after="fsdp2"),
 )
 # fmt: on
 REFERENCES = {"gemma2": GEMMA2, "gemma2_doc": (*GEMMA2, DOC)}

@@ -39,9 +39,7 @@ COMMON = ["--training.steps", str(STEPS), *CHECKPOINT_ARGS]
 # fmt: off
 LAYOUTS = table(
     Layout("fsdp2", 2, (*GEMMA3, "--training.local_batch_size=4"), "gemma3", TOL),
-    Layout("tp2", 2, (*GEMMA3, "--parallelism.tensor_parallel_degree=2"), "gemma3", TOL),
     Layout("tp2_fsdp2", 4, (*GEMMA3, "--parallelism.tensor_parallel_degree=2", "--training.local_batch_size=4"), "gemma3", TOL),
-    Layout("cp2", 2, (*GEMMA3, "--parallelism.context_parallel_degree=2"), "gemma3", TOL),
     Layout("cp2_doc", 2, (*GEMMA3, "--parallelism.context_parallel_degree=2", DOC), "gemma3_doc", TOL),
     Layout("cp2_fsdp2_ac", 4, (*GEMMA3, "--parallelism.context_parallel_degree=2", "--training.local_batch_size=4", "--activation_checkpoint.mode=full"), "gemma3", TOL),
     Layout("cp2_fsdp2_doc", 4, (*GEMMA3, "--parallelism.context_parallel_degree=2", "--training.local_batch_size=4", DOC), "gemma3_doc", TOL),

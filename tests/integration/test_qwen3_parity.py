@@ -35,7 +35,6 @@ COMMON = ["--training.steps", str(STEPS), *CHECKPOINT_ARGS, "--training.shuffle=
 # fmt: off
 LAYOUTS = table(
     Layout("tied_fsdp2", 2, (*TIED, "--training.local_batch_size=4"), "tied", TOL),
-    Layout("tied_tp2", 2, (*TIED, "--parallelism.tensor_parallel_degree=2"), "tied", TOL),
     Layout("tied_tp2_fsdp2", 4, (*TIED, "--parallelism.tensor_parallel_degree=2", "--training.local_batch_size=4"), "tied", TOL),
     Layout("tied_hsdp_2x2", 4, (*TIED, "--parallelism.data_parallel_replicate_degree=2", "--training.local_batch_size=2"), "tied", TOL),
     # replicas only: still FSDP2 (one shard rank), which holds the tied weight; ZeRO-0 cannot

@@ -27,7 +27,6 @@ HF_EXPORT = (
     "tests/integration/test_checkpoint_train.py::"
     "test_hf_export_loads_in_transformers_with_the_trained_logits"
 )
-GEMMA2_PARITY = "tests/integration/test_gemma2_parity.py::test_gemma2_layout_matches_one_process"
 
 
 @dataclass(frozen=True)
@@ -301,7 +300,7 @@ MUTANTS = [
         'kwargs = {"positions": torch.arange(len(mine), device=inputs.device).expand(batch, -1), ',
         (
             f"{CP_UNIT}::test_cp_shard_gives_its_queries_and_the_gathered_keys_positions_and_documents",
-            f"{CP_PARITY}[llama_cp2]",
+            f"{FP64_PARITY}[llama_cp2]",
         ),
     ),
     Mutant(
@@ -310,7 +309,7 @@ MUTANTS = [
         "parallelisms/context_parallel.py",
         "end = (index + 1) * chunk",
         "end = min(index + 2, 2 * cp) * chunk",
-        (f"{CP_PARITY}[llama_cp2]",),
+        (f"{FP64_PARITY}[llama_cp2]",),
     ),
     Mutant(
         "cp_document_mask_keys_shifted",
@@ -540,7 +539,7 @@ MUTANTS = [
         "models/gemma2/plan.py",
         '    block["post_ffn_norm"] = post_norm\n',
         "",
-        (f"{GEMMA2_PARITY}[tp2]",),
+        (f"{FP64_PARITY}[gemma2_tp2]",),
     ),
     Mutant(
         "hf_llama_qk_rows_unpermuted",
