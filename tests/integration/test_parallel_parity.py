@@ -37,6 +37,8 @@ from parity import (
 
 from scripts.loss_compare import rel_diff
 
+# every run's arguments before its layout's (tests/matrix.py reads them too)
+COMMON = ["--training.steps", str(STEPS), *CHECKPOINT_ARGS]
 BF16 = "--training.mixed_precision_param=bfloat16"
 MIX = '--training.mixture=["sample:train:3", "sample:train:1"]'
 
@@ -122,7 +124,7 @@ def runs(request, tmp_path_factory):
     # A private inductor cache, shared by this module's runs: only their own compiles are
     # reused, not those of whatever ran on this machine before.
     env = {"TORCHINDUCTOR_CACHE_DIR": str(base / "inductor_cache")}
-    common = ["--training.steps", str(STEPS), *CHECKPOINT_ARGS]
+    common = COMMON
     todo = [Run("reference", base / "reference", 1, common)]
     todo += family_runs(base, want, common, {}, LAYOUTS, env=env)
     todo += resumed_runs(base, want, common, RESUMES)
