@@ -13,8 +13,15 @@ check and never has to restate its rules. A pair of values that no accepted row 
 *refused pair*; `refused_pairs` reports each with the config check's message for the smallest
 row holding it (or the one rule of the generator itself: at most 8 ranks).
 
+The parity tests (tests/integration/*_parity.py) already train many rows of this space against
+one process: the generator maps each of their layouts to its factor levels (`row_of`, through
+the real config parser) and starts with those rows' pairs covered, so the design adds rows only
+for the pairs no parity row holds. The design file records those rows by name (`drawn`), and
+a unit test checks that the parity tables still hold them.
+
     python tests/matrix.py --seed 7                  # print a design and its refused pairs
     python tests/matrix.py --write tests/matrix_design.json   # redraw CI's design (seed 23)
+    python tests/matrix.py --seed 7 --no-drawn       # a design that counts no parity row
     ./run_tests.sh --matrix 7                        # draw the seed-7 design and run it
 """
 
@@ -403,14 +410,24 @@ class Design:
     seed: int
     rows: list[Row]
     refused: dict[tuple, str]  # pair -> why no accepted row can hold it
+    # the parity rows whose pairs the design counts as covered: ("module::id", row)
+    drawn: list[tuple[str, Row]] = field(default_factory=list)
 
 
-def generate(seed: int = DEFAULT_SEED, candidates: int = 12, tries: int = 40) -> Design:
-    """The seeded all-pairs design: rows until every pair is in a row or found refused."""
+def generate(
+    seed: int = DEFAULT_SEED,
+    candidates: int = 12,
+    tries: int = 40,
+    drawn: list[tuple[str, Row]] | None = None,
+) -> Design:
+    """The seeded all-pairs design: rows until every pair is in a row, in a `drawn` row (the
+    parity tests' rows, `drawn_rows()`, unless given; [] for a design of its own) or found
+    refused."""
+    drawn = drawn_rows() if drawn is None else list(drawn)
     rng = random.Random(seed)
-    uncovered = _all_pairs()
-    order = sorted(uncovered, key=repr)
+    order = sorted(_all_pairs(), key=repr)
     rng.shuffle(order)
+    uncovered = _all_pairs() - _covered(row for _, row in drawn)
     rows, refused = [], {}
     for target in order:
         if target not in uncovered:
@@ -431,7 +448,29 @@ def generate(seed: int = DEFAULT_SEED, candidates: int = 12, tries: int = 40) ->
             continue
         rows.append(best)
         uncovered -= best.pairs()
-    return Design(seed, rows, refused)
+    return Design(seed, rows, refused, drawn)
+
+
+def _covered(rows) -> set[tuple]:
+    return set().union(*(row.pairs() for row in rows))
+
+
+def missing_pairs(design: Design) -> set[tuple]:
+    """The pairs in no row of the design nor of its drawn parity rows, and not refused."""
+    rows = [*design.rows, *(row for _, row in design.drawn)]
+    return _all_pairs() - _covered(rows) - set(design.refused)
+
+
+def stale_drawn(design: Design) -> list[str]:
+    """The design's drawn parity rows that the parity tables no longer hold as they were
+    (removed, renamed, or another row now): the design must be redrawn."""
+    now = dict(drawn_rows())
+    return [
+        f"{name}: drawn as {row.label}, now "
+        + (now[name].label if now.get(name) else "not a row of the tables")
+        for name, row in design.drawn
+        if now.get(name) != row
+    ]
 
 
 def _smallest(pair: tuple) -> Row:
@@ -457,7 +496,9 @@ def _why_refused(pair: tuple) -> str:
 
 
 def describe(design: Design) -> str:
-    lines = [f"combination matrix, seed {design.seed}: {len(design.rows)} rows"]
+    total = sum(cost(row) for row in design.rows)
+    lines = [f"combination matrix, seed {design.seed}: {len(design.rows)} rows, estimated cost "
+             f"{total:.0f} (matrix.cost), besides {len(design.drawn)} parity rows"]  # fmt: skip
     for i, row in enumerate(design.rows):
         lines.append(f"  {i:02d} ({degrees(row)['world']} ranks) {row.label}")
     lines.append(f"refused pairs: {len(design.refused)}")
@@ -473,6 +514,7 @@ def save(design: Design, path: Path) -> None:
         "factors": list(FACTORS),
         "rows": [list(r.values) for r in design.rows],
         "refused": [[list(a), list(b), why] for (a, b), why in design.refused.items()],
+        "drawn": [[name, list(row.values)] for name, row in design.drawn],
     }
     path.write_text(json.dumps(data, indent=1) + "\n")
 
@@ -484,7 +526,8 @@ def load(path: Path = DESIGN_FILE) -> Design:
     assert data["factors"] == list(FACTORS), f"{path} was drawn over other factors: regenerate it"
     rows = [Row(tuple(v)) for v in data["rows"]]
     refused = {(tuple(a), tuple(b)): why for a, b, why in data["refused"]}
-    return Design(data["seed"], rows, refused)
+    drawn = [(name, Row(tuple(v))) for name, v in data.get("drawn", [])]
+    return Design(data["seed"], rows, refused, drawn)
 
 
 def table(report: Path) -> str:
@@ -508,11 +551,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
     parser.add_argument("--write", type=Path, help="save the design (JSON) to this file")
     parser.add_argument("--table", type=Path, help="print a run's report as a markdown table")
+    parser.add_argument("--no-drawn", action="store_true",
+                        help="count no parity row: a design that covers every pair itself")  # fmt: skip
     args = parser.parse_args(argv)
     if args.table:
         print(table(args.table))
         return
-    design = generate(args.seed)
+    design = generate(args.seed, drawn=[] if args.no_drawn else None)
     print(describe(design))
     if args.write:
         save(design, args.write)
