@@ -13,18 +13,27 @@ check and never has to restate its rules. A pair of values that no accepted row 
 *refused pair*; `refused_pairs` reports each with the config check's message for the smallest
 row holding it (or the one rule of the generator itself: at most 8 ranks).
 
+The parity tests (tests/integration/*_parity.py) already train many rows of this space against
+one process: the generator maps each of their layouts to its factor levels (`row_of`, through
+the real config parser) and starts with those rows' pairs covered, so the design adds rows only
+for the pairs no parity row holds. The design file records those rows by name (`drawn`), and
+a unit test checks that the parity tables still hold them.
+
     python tests/matrix.py --seed 7                  # print a design and its refused pairs
     python tests/matrix.py --write tests/matrix_design.json   # redraw CI's design (seed 23)
+    python tests/matrix.py --seed 7 --no-drawn       # a design that counts no parity row
     ./run_tests.sh --matrix 7                        # draw the seed-7 design and run it
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
 import json
 import random
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -51,7 +60,8 @@ FACTORS: dict[str, tuple] = {
 }
 DEFAULT_SEED = 23
 # the design CI runs (drawn with DEFAULT_SEED); MESHTRAIN_MATRIX_DESIGN names another
-DESIGN_FILE = Path(__file__).resolve().parent / "matrix_design.json"
+TESTS = Path(__file__).resolve().parent
+DESIGN_FILE = TESTS / "matrix_design.json"
 MAX_RANKS = 4  # the suite runs on 2 cores: 8-rank rows cost 2-3x a 4-rank row
 STEPS = 4
 GLOBAL_BATCH = 8
@@ -194,6 +204,140 @@ def _drop_defaults(args: list[str]) -> list[str]:
     return out
 
 
+# --- the rows the parity tests already run ---------------------------------------------------
+
+# The modules (tests/integration) whose layouts count as rows: each checks every layout against
+# a one-process run (or a run it must repeat exactly), as the matrix checks its rows. Not the
+# presets (test_presets.py), which check only that the loss falls and the layout is built.
+PARITY_MODULES = ("test_parallel_parity", "test_pipeline_parity", "test_qwen3_parity",
+                  "test_moe_parity", "test_cp_parity", "test_gemma2_parity",
+                  "test_gemma3_parity", "test_fp64_parity")  # fmt: skip
+# the tables of rows resumed from their `after` run's checkpoint (parity.resumed_runs)
+RESUMED_TABLES = ("RESUMES", "RESUMED")
+
+
+def _config(args: Sequence[str]):
+    """The config of train.py with `args` over tests/tiny_model.toml (no cross-field check)."""
+    from dist_utils import TINY_CONFIG
+
+    from job_config import parse_args
+
+    return parse_args(["--config", str(TINY_CONFIG), *args], check=False)
+
+
+def _family(cfg) -> tuple[str, bool]:
+    """(model name, whether the output projection is the embedding matrix) of a config."""
+    from models import model_args_for
+
+    args = model_args_for(cfg, cfg.training.seq_len, None)
+    return cfg.model.name, bool(getattr(args, "tie_embeddings", False))
+
+
+@cache
+def _model_levels() -> dict[tuple[str, bool], str]:
+    return {_family(_config(FAMILY_ARGS[level])): level for level in FACTORS["model"]}
+
+
+def row_of(nproc: int, args: Sequence[str], relaunch: str = "none") -> Row | None:
+    """The row a launch runs: `nproc` ranks of train.py with `args` over tests/tiny_model.toml,
+    read from the config the real parser builds, its degrees resolved by `ParallelDims` for
+    the world size as train.py resolves them (the shard degree -1 fills the rest). None where
+    a value is no level of its factor: float64, Gemma or a tied Llama, a degree, DP kind or
+    accumulation that the factors do not list (CP 4, DDP 4, ZeRO-1 over CP ranks only), another
+    schedule or AC option. The world size itself is not limited: the pairs still train together.
+    `relaunch`: the row's second launch, which the arguments do not show."""
+    from parallelisms.parallel_dims import ParallelDims
+
+    cfg = _config(args)
+    dims = ParallelDims.from_parallelism(cfg.parallelism, nproc)
+    t, ac, comp = cfg.training, cfg.activation_checkpoint, cfg.compile
+    if dims.pp == 1:
+        schedule = "off"
+    else:
+        schedule = cfg.parallelism.pipeline_parallel_schedule if dims.pp == 2 else None
+    if ac.mode == "selective":
+        ac_level = {"op": "op", "2": "every2"}.get(ac.selective_ac_option)
+    else:
+        ac_level = ac.mode
+    compiled = "+".join(c for c in ("model", "loss") if c in comp.components)
+    if set(comp.components) - {"model", "loss"}:
+        compiled = None
+    dp_kinds = {shape: kind for kind, shape in DP_KINDS.items()}
+    global_batch = t.global_batch_size
+    per_micro = t.local_batch_size * dims.dp
+    values = {
+        "model": _model_levels().get(_family(cfg)),
+        "tp": dims.tp,
+        "pp": schedule,
+        "cp": dims.cp,
+        "ep": dims.ep,
+        "dp": dp_kinds.get((dims.dp_replicate, dims.dp_shard, dims.zero_stage)),
+        "ac": ac_level,
+        "compile": compiled if comp.enable else "off",
+        "doc_mask": t.document_mask,
+        "precision": t.mixed_precision_param,
+        "accum": 1 if global_batch == -1 else global_batch // per_micro,
+        "offload": t.enable_cpu_offload,
+        "relaunch": relaunch,
+    }
+    if any(values[f] not in levels for f, levels in FACTORS.items()):
+        return None
+    return Row(tuple(values[f] for f in FACTORS))
+
+
+def _tables(module) -> dict[str, dict]:
+    """A parity module's tables of layouts (`parity.table`'s dicts), by name."""
+    from parity import Layout
+
+    return {
+        name: value
+        for name, value in vars(module).items()
+        if isinstance(value, dict) and value and all(isinstance(v, Layout) for v in value.values())
+    }
+
+
+def drawn_rows() -> list[tuple[str, Row]]:
+    """("module::id", row) of every layout of the parity modules that is a row (`row_of`), in
+    the modules' order: each module's layouts on top of its `COMMON` arguments; its resumed
+    rows (relaunch "resume_async" where the saver, in the same row, saved async: the matrix's
+    exact resume); its warm-cache reruns (`RERUN_OF`: "warm_rerun"). Left out: the rows a
+    module names `*_REFERENCE`, which its tests compare with nothing one-process (the bf16
+    family's reference, say), and the one-process references (nothing checks them)."""
+    integration = str(TESTS / "integration")
+    if integration not in sys.path:
+        sys.path.append(integration)
+    out = []
+    for name in PARITY_MODULES:
+        module = importlib.import_module(name)
+        common = [str(a) for a in module.COMMON]
+        references = {v for k, v in vars(module).items() if k.endswith("_REFERENCE")
+                      and isinstance(v, str)}  # fmt: skip
+        tables = _tables(module)
+        layouts = {i: row for table in tables.values() for i, row in table.items()}
+
+        def launch(layout, relaunch="none", common=common):
+            return row_of(layout.nproc, [*common, *layout.args], relaunch)
+
+        for table_name, table in tables.items():
+            for i, layout in table.items():
+                if i in references:
+                    continue
+                relaunch = "none"
+                if table_name in RESUMED_TABLES:
+                    saver = layouts[layout.after]
+                    saved_async = _config([*common, *saver.args]).checkpoint.async_mode
+                    if saved_async != "disabled" and launch(saver) == launch(layout):
+                        relaunch = "resume_async"
+                row = launch(layout, relaunch)
+                if row is not None:
+                    out.append((f"{name}::{i}", row))
+        for rerun, first in getattr(module, "RERUN_OF", {}).items():
+            row = launch(layouts[first], "warm_rerun")
+            if row is not None:
+                out.append((f"{name}::{rerun}", row))
+    return out
+
+
 @cache
 def refusal(row: Row) -> str:
     """'' when the config check accepts the row at its world size, else its message."""
@@ -266,14 +410,24 @@ class Design:
     seed: int
     rows: list[Row]
     refused: dict[tuple, str]  # pair -> why no accepted row can hold it
+    # the parity rows whose pairs the design counts as covered: ("module::id", row)
+    drawn: list[tuple[str, Row]] = field(default_factory=list)
 
 
-def generate(seed: int = DEFAULT_SEED, candidates: int = 12, tries: int = 40) -> Design:
-    """The seeded all-pairs design: rows until every pair is in a row or found refused."""
+def generate(
+    seed: int = DEFAULT_SEED,
+    candidates: int = 12,
+    tries: int = 40,
+    drawn: list[tuple[str, Row]] | None = None,
+) -> Design:
+    """The seeded all-pairs design: rows until every pair is in a row, in a `drawn` row (the
+    parity tests' rows, `drawn_rows()`, unless given; [] for a design of its own) or found
+    refused."""
+    drawn = drawn_rows() if drawn is None else list(drawn)
     rng = random.Random(seed)
-    uncovered = _all_pairs()
-    order = sorted(uncovered, key=repr)
+    order = sorted(_all_pairs(), key=repr)
     rng.shuffle(order)
+    uncovered = _all_pairs() - _covered(row for _, row in drawn)
     rows, refused = [], {}
     for target in order:
         if target not in uncovered:
@@ -294,7 +448,29 @@ def generate(seed: int = DEFAULT_SEED, candidates: int = 12, tries: int = 40) ->
             continue
         rows.append(best)
         uncovered -= best.pairs()
-    return Design(seed, rows, refused)
+    return Design(seed, rows, refused, drawn)
+
+
+def _covered(rows) -> set[tuple]:
+    return set().union(*(row.pairs() for row in rows))
+
+
+def missing_pairs(design: Design) -> set[tuple]:
+    """The pairs in no row of the design nor of its drawn parity rows, and not refused."""
+    rows = [*design.rows, *(row for _, row in design.drawn)]
+    return _all_pairs() - _covered(rows) - set(design.refused)
+
+
+def stale_drawn(design: Design) -> list[str]:
+    """The design's drawn parity rows that the parity tables no longer hold as they were
+    (removed, renamed, or another row now): the design must be redrawn."""
+    now = dict(drawn_rows())
+    return [
+        f"{name}: drawn as {row.label}, now "
+        + (now[name].label if now.get(name) else "not a row of the tables")
+        for name, row in design.drawn
+        if now.get(name) != row
+    ]
 
 
 def _smallest(pair: tuple) -> Row:
@@ -320,7 +496,9 @@ def _why_refused(pair: tuple) -> str:
 
 
 def describe(design: Design) -> str:
-    lines = [f"combination matrix, seed {design.seed}: {len(design.rows)} rows"]
+    total = sum(cost(row) for row in design.rows)
+    lines = [f"combination matrix, seed {design.seed}: {len(design.rows)} rows, estimated cost "
+             f"{total:.0f} (matrix.cost), besides {len(design.drawn)} parity rows"]  # fmt: skip
     for i, row in enumerate(design.rows):
         lines.append(f"  {i:02d} ({degrees(row)['world']} ranks) {row.label}")
     lines.append(f"refused pairs: {len(design.refused)}")
@@ -336,6 +514,7 @@ def save(design: Design, path: Path) -> None:
         "factors": list(FACTORS),
         "rows": [list(r.values) for r in design.rows],
         "refused": [[list(a), list(b), why] for (a, b), why in design.refused.items()],
+        "drawn": [[name, list(row.values)] for name, row in design.drawn],
     }
     path.write_text(json.dumps(data, indent=1) + "\n")
 
@@ -347,7 +526,8 @@ def load(path: Path = DESIGN_FILE) -> Design:
     assert data["factors"] == list(FACTORS), f"{path} was drawn over other factors: regenerate it"
     rows = [Row(tuple(v)) for v in data["rows"]]
     refused = {(tuple(a), tuple(b)): why for a, b, why in data["refused"]}
-    return Design(data["seed"], rows, refused)
+    drawn = [(name, Row(tuple(v))) for name, v in data.get("drawn", [])]
+    return Design(data["seed"], rows, refused, drawn)
 
 
 def table(report: Path) -> str:
@@ -371,11 +551,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
     parser.add_argument("--write", type=Path, help="save the design (JSON) to this file")
     parser.add_argument("--table", type=Path, help="print a run's report as a markdown table")
+    parser.add_argument("--no-drawn", action="store_true",
+                        help="count no parity row: a design that covers every pair itself")  # fmt: skip
     args = parser.parse_args(argv)
     if args.table:
         print(table(args.table))
         return
-    design = generate(args.seed)
+    design = generate(args.seed, drawn=[] if args.no_drawn else None)
     print(describe(design))
     if args.write:
         save(design, args.write)

@@ -38,7 +38,7 @@ from parity import (
 from scripts.loss_compare import rel_diff
 
 # tests/tiny_model.toml for 20 steps, saving at steps 10 and 20 (test_checkpoint_train.py
-# resumes and reshards these runs' checkpoints)
+# resumes and reshards these runs' checkpoints; tests/matrix.py reads them too)
 COMMON = ["--training.steps", str(STEPS), *CHECKPOINT_ARGS]
 BF16 = "--training.mixed_precision_param=bfloat16"
 MIX = '--training.mixture=["sample:train:3", "sample:train:1"]'
@@ -121,13 +121,16 @@ def pool_runs(selected) -> list[Run]:
     names = {*LAYOUTS, *RESUMES}
     depends = links(LAYOUTS, RESUMES)
     want = {"reference"} | selected_runs(selected, names, NEEDS, *depends, RERUN_OF)
+    # A private inductor cache, shared by this module's runs: only their own compiles are
+    # reused, not those of other modules' runs.
+    env = {"TORCHINDUCTOR_CACHE_DIR": "{pool}/inductor_parity"}
     todo = [Run("reference", 1, COMMON)]
-    todo += family_runs(want, COMMON, {}, LAYOUTS)
+    todo += family_runs(want, COMMON, {}, LAYOUTS, env=env)
     todo += resumed_runs(want, COMMON, RESUMES)
     for rerun, first in RERUN_OF.items():
-        if rerun in want:  # on the compile cache the first run filled (the pool's one cache)
+        if rerun in want:  # on the compile cache the first run filled
             args = ["--training.steps", str(RERUN_STEPS), *LAYOUTS[first].args]
-            todo.append(Run(rerun, LAYOUTS[first].nproc, args, after=first))
+            todo.append(Run(rerun, LAYOUTS[first].nproc, args, after=first, env=env))
     return todo
 
 
