@@ -121,16 +121,13 @@ def pool_runs(selected) -> list[Run]:
     names = {*LAYOUTS, *RESUMES}
     depends = links(LAYOUTS, RESUMES)
     want = {"reference"} | selected_runs(selected, names, NEEDS, *depends, RERUN_OF)
-    # A private inductor cache, shared by this module's runs: only their own compiles are
-    # reused, not those of other modules' runs.
-    env = {"TORCHINDUCTOR_CACHE_DIR": "{pool}/inductor_parity"}
     todo = [Run("reference", 1, COMMON)]
-    todo += family_runs(want, COMMON, {}, LAYOUTS, env=env)
+    todo += family_runs(want, COMMON, {}, LAYOUTS)
     todo += resumed_runs(want, COMMON, RESUMES)
     for rerun, first in RERUN_OF.items():
-        if rerun in want:  # on the compile cache the first run filled
+        if rerun in want:  # on the compile cache the first run filled (this module's)
             args = ["--training.steps", str(RERUN_STEPS), *LAYOUTS[first].args]
-            todo.append(Run(rerun, LAYOUTS[first].nproc, args, after=first, env=env))
+            todo.append(Run(rerun, LAYOUTS[first].nproc, args, after=first))
     return todo
 
 
