@@ -162,11 +162,13 @@ class Pool:
     # --- launching -----------------------------------------------------------------------
 
     def start(self) -> None:
-        if self.thread is None and self.entries:
-            self.base.mkdir(parents=True, exist_ok=True)
-            self._critical_paths()
-            self.thread = threading.Thread(target=self._loop, name="run-pool", daemon=True)
-            self.thread.start()
+        """Starts the launching thread, unless it runs; it ends when no run is left to do."""
+        with self.lock:
+            if self.thread is None and self.entries:
+                self.base.mkdir(parents=True, exist_ok=True)
+                self._critical_paths()
+                self.thread = threading.Thread(target=self._loop, name="run-pool", daemon=True)
+                self.thread.start()
 
     def launch(self, owner: str, runs: list[Run]) -> dict[str, Run]:
         """Runs a test makes while it runs (arguments that name its own files), first in line;
@@ -200,16 +202,18 @@ class Pool:
         return min(ready, key=lambda e: (e.demanded or float("inf"), -self.priority[e.key]))
 
     def _loop(self) -> None:
-        while True:
-            with self.lock:
-                if self.closing:
-                    return
+        # waits on the lock's condition, not time.sleep: a test may patch time.sleep
+        with self.lock:
+            while not self.closing:
                 while len(self.active) < PARALLEL and (entry := self._next()) is not None:
                     self._guarded(self._launch, entry)
                 for item in list(self.active):
                     self._guarded(self._poll, *item)
                 self.lock.notify_all()
-            time.sleep(0.2)
+                if all(e.state == "done" for e in self.entries.values()):
+                    break
+                self.lock.wait(0.2)
+            self.thread = None  # under the lock: a later start() begins a new one
 
     def _guarded(self, step, entry: Entry, *rest) -> None:
         """`step(entry, ...)`; an error of the pool itself fails that run, not the session."""

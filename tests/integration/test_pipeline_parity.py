@@ -11,6 +11,8 @@ schedule's forward-only path. Only the runs the selected tests need are launched
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from dist_utils import Run
 from parity import (
@@ -38,6 +40,11 @@ COMMON = [
     *CHECKPOINT_ARGS,
 ]  # fmt: skip
 EIGHT_LAYERS = ["--model.n_layers", "8"]
+# 8 stages over 4 ranks: the fp32 tolerances, but element-wise on the final weights. Measured
+# (2026-12-03, a Xeon with AVX-512 and no AVX-512 BF16): layers.1's wv 3.7e-4 element-wise (max
+# abs 3.2e-5), norm-wise 2.7e-5; the same run in float64 equals the 8-layer reference to 1.3e-13
+# element-wise, so it is float32 noise. Kept at about 3x.
+DEEP_FP32 = dataclasses.replace(FP32, weights=1e-3)
 
 
 # Validation batches per evaluation (`--validation.steps`): runs with a smaller local batch take
@@ -74,7 +81,7 @@ LAYOUTS = table(
     Layout("pp2_fsdp2_tp2_interleaved_1f1b", 8, ("--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=Interleaved1F1B", "--parallelism.pipeline_parallel_microbatch_size=2", "--training.local_batch_size=4", "--parallelism.tensor_parallel_degree=2")),
     # 4 stages on 4 ranks; 8 stages (2 per rank) over 8 layers, against the 8-layer reference
     Layout("pp4_1f1b", 4, ("--parallelism.pipeline_parallel_degree=4", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=1")),
-    Layout("pp4_interleaved_1f1b", 4, ("--parallelism.pipeline_parallel_degree=4", "--parallelism.pipeline_parallel_schedule=Interleaved1F1B", "--parallelism.pipeline_parallel_microbatch_size=2", "--model.n_layers=8"), "reference_8_layers"),
+    Layout("pp4_interleaved_1f1b", 4, ("--parallelism.pipeline_parallel_degree=4", "--parallelism.pipeline_parallel_schedule=Interleaved1F1B", "--parallelism.pipeline_parallel_microbatch_size=2", "--model.n_layers=8"), "reference_8_layers", DEEP_FP32),
 )
 # fmt: on
 
