@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 from parity import (
     CHECKPOINT_ARGS,
-    EXACT,
     QWEN3_FP32,
     STEPS,
     Layout,
@@ -43,10 +42,9 @@ LAYOUTS = table(
     Layout("untied_tp2_fsdp2", 4, (*UNTIED, "--parallelism.tensor_parallel_degree=2", "--training.local_batch_size=4"), "untied", TOL),
     Layout("untied_pp2", 2, (*UNTIED, "--parallelism.pipeline_parallel_degree=2", "--model.n_layers=4", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2"), "untied_4_layers", TOL),
 )
-# resumed from tied_fsdp2's step-10 checkpoint: the same layout continues exactly, the
-# resharded one (the tied matrix onto the vocabulary) like the one-process run
+# resumed from tied_fsdp2's step-10 checkpoint, resharded (the tied matrix onto the
+# vocabulary): like the one-process run (exact resume per layout: test_checkpoint_train.py)
 RESUMED = table(
-    Layout("tied_fsdp2_resumed", 2, LAYOUTS["tied_fsdp2"].args, "tied_fsdp2", EXACT, after="tied_fsdp2"),
     Layout("tied_fsdp2_to_tp2_fsdp2", 4, LAYOUTS["tied_tp2_fsdp2"].args, "tied", TOL, after="tied_fsdp2"),
 )
 # fmt: on
@@ -84,8 +82,8 @@ def test_tied_reference_has_one_matrix(runs):
 
 
 def test_resume_and_reshard(runs):
-    """tied_fsdp2's step-10 checkpoint continues bit-identically under FSDP 2, and within the
-    parity tolerances under TP 2 x FSDP 2 (the tied matrix resharded onto the vocabulary)."""
+    """tied_fsdp2's step-10 checkpoint continues within the parity tolerances under TP 2 x
+    FSDP 2 (the tied matrix resharded onto the vocabulary)."""
     for row in RESUMED.values():
         run, ref = runs[row.id].check(), runs[row.reference].check()
         assert sorted(run.losses()) == list(range(11, STEPS + 1)), run.name
