@@ -99,6 +99,17 @@ def pool(request):
 
 
 @pytest.fixture(scope="module")
+def quiet_pool(request):
+    """No pool run alongside this module's tests (their deadlines assume an idle machine)."""
+    pool = getattr(request.config, "meshtrain_pool", None)
+    if pool is None:
+        yield
+        return
+    with pool.quiet():
+        yield
+
+
+@pytest.fixture(scope="module")
 def runs(request, pool):
     """The runs this module declares in `pool_runs`, by name, once all have finished."""
     return pool.wait(request.module.__name__)

@@ -61,6 +61,7 @@ class Run:
     # (run name, path in its folder): copied into this run's folder before the launch
     copy_from: tuple[str, str] | None = None
     timeout: float = 900.0  # seconds, then the run is killed
+    fresh: bool = False  # fresh interpreters rather than forks of the warm launcher
     returncode: int | None = None
     output: str = ""
     seconds: float = 0.0
@@ -99,8 +100,13 @@ def read_param_counts(folder: Path) -> dict[str, int]:
     return json.loads((Path(folder) / "layout.json").read_text())["parameters"]
 
 
+# the environment as the session started: runs launched while a test patches os.environ do not
+# inherit the patch
+_SESSION_ENV = dict(os.environ)
+
+
 def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return {**_SESSION_ENV, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 class _ForkedRun:
@@ -158,7 +164,9 @@ class _ForkedRun:
 
 
 def start_run(run: Run, log) -> subprocess.Popen | _ForkedRun:
-    if os.environ.get("MESHTRAIN_TEST_TORCHRUN", "") not in ("", "0"):
+    """`run` forked from the warm launcher, or in fresh interpreters (`python train.py`, or
+    torchrun for several ranks) where it asks for them or MESHTRAIN_TEST_TORCHRUN is set."""
+    if run.fresh or os.environ.get("MESHTRAIN_TEST_TORCHRUN", "") not in ("", "0"):
         return subprocess.Popen(
             run.command(),
             cwd=ROOT,
@@ -168,6 +176,18 @@ def start_run(run: Run, log) -> subprocess.Popen | _ForkedRun:
             start_new_session=True,
         )
     return _ForkedRun(run, Path(log.name))
+
+
+def stop_run(proc: subprocess.Popen | _ForkedRun) -> None:
+    """Kills a run started by `start_run` with every process of it (torchrun's workers too)."""
+    if isinstance(proc, _ForkedRun):
+        proc.kill()  # its supervisor's process group
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def _free_port() -> int:

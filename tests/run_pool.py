@@ -31,6 +31,7 @@ one line per launch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -40,10 +41,11 @@ import re
 import shutil
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dist_utils import Run, start_run
+from dist_utils import Run, start_run, stop_run
 
 PARALLEL = 2  # runs at a time: the suite's machine has 2 cores
 PLACEHOLDER = re.compile(r"\{run:([^}]+)\}")
@@ -52,14 +54,16 @@ UNKEYED = {("job", "dump_folder"), ("job", "config_file"), ("job", "description"
 
 
 def resolved_config(run: Run, args: list[str]) -> dict | str:
-    """The configuration `args` give over `run.config`, as a dict, less UNKEYED (the loader's
-    own normal form: `--a b`, `--a=b` and a value equal to the default are the same run); the
-    arguments themselves where the loader refuses them (a run that tests a refusal)."""
+    """The configuration `args` give over `run.config`, as a dict, less UNKEYED: the loader's
+    own normal form after its checks and inferences (`--a b`, `--a=b` and a value equal to the
+    default are the same run; a dataset kind inferred from its path is the kind); the arguments
+    themselves where the loader refuses them (a run that tests a refusal, or one whose input
+    the check reads and a test writes later)."""
     from job_config.loader import parse_args
     from job_config.serialize import config_to_dict
 
     try:
-        cfg = config_to_dict(parse_args(["--config", str(run.config), *args], check=False))
+        cfg = config_to_dict(parse_args(["--config", str(run.config), *args]))
     except (Exception, SystemExit):
         return f"{run.config} {' '.join(args)}"
     for section, key in UNKEYED:
@@ -103,6 +107,7 @@ class Pool:
         self.lock = threading.Condition()
         self.thread: threading.Thread | None = None
         self.closing = False
+        self.paused = False  # no new launch while a timing-sensitive test runs (quiet())
         self.active: list[tuple[Entry, object, object]] = []
 
     # --- declaring ---------------------------------------------------------------------
@@ -126,8 +131,8 @@ class Pool:
             key_args = [PLACEHOLDER.sub(lambda m: "@" + deps[m.group(1)], a) for a in run.args]
             cfg = resolved_config(run, key_args)
             copy = None if run.copy_from is None else (deps[run.copy_from[0]], run.copy_from[1])
-            blob = json.dumps([run.nproc, cfg, sorted(run.env.items()), copy, sorted(deps.values())],
-                              sort_keys=True, default=str)  # fmt: skip
+            blob = json.dumps([run.nproc, cfg, sorted(run.env.items()), copy, sorted(deps.values()),
+                               run.fresh], sort_keys=True, default=str)  # fmt: skip
             key = hashlib.sha1(blob.encode()).hexdigest()[:12]
             names[name] = key
             self._add(key, run, deps, cfg, module)
@@ -204,24 +209,44 @@ class Pool:
     def _loop(self) -> None:
         # waits on the lock's condition, not time.sleep: a test may patch time.sleep
         with self.lock:
-            while not self.closing:
-                while len(self.active) < PARALLEL and (entry := self._next()) is not None:
-                    self._guarded(self._launch, entry)
-                for item in list(self.active):
-                    self._guarded(self._poll, *item)
+            try:
+                while not self.closing:
+                    while not self.paused and len(self.active) < PARALLEL:
+                        if (entry := self._next()) is None:
+                            break
+                        self._guarded(self._launch, entry)
+                    for item in list(self.active):
+                        self._guarded(self._poll, *item)
+                    self.lock.notify_all()
+                    if all(e.state == "done" for e in self.entries.values()):
+                        break
+                    self.lock.wait(0.2)
+            except BaseException:  # a bug of the pool: fail what is left, never hang a wait
+                self._fail_all(traceback.format_exc())
+                raise
+            finally:
+                self.thread = None  # under the lock: a later start() begins a new one
                 self.lock.notify_all()
-                if all(e.state == "done" for e in self.entries.values()):
-                    break
-                self.lock.wait(0.2)
-            self.thread = None  # under the lock: a later start() begins a new one
+
+    def _fail_all(self, why: str) -> None:
+        for _entry, proc, log in self.active:
+            stop_run(proc)
+            log.close()
+        self.active.clear()
+        for entry in self.entries.values():
+            if entry.state != "done":
+                entry.state, entry.run.returncode = "done", -1
+                entry.run.output = f"run pool: stopped by an error of its own:\n{why}"
 
     def _guarded(self, step, entry: Entry, *rest) -> None:
         """`step(entry, ...)`; an error of the pool itself fails that run, not the session."""
         try:
             step(entry, *rest)
         except Exception as e:
-            if rest:
+            if rest and (entry, *rest) in self.active:
                 self.active.remove((entry, *rest))
+                stop_run(rest[0])
+                rest[1].close()
             entry.state, entry.run.returncode = "done", -1
             entry.run.output = f"run pool: {entry.run.name}: {type(e).__name__}: {e}"
 
@@ -249,12 +274,11 @@ class Pool:
 
     def _poll(self, entry: Entry, proc, log) -> None:
         run = entry.run
-        overdue = time.monotonic() - entry.started > run.timeout
-        if proc.poll() is None and not overdue:
+        if proc.poll() is None and time.monotonic() - entry.started <= run.timeout:
             return
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        overdue = proc.poll() is None
+        if overdue:
+            stop_run(proc)
         log.seek(0)
         output = log.read()[-20000:]
         log.close()
@@ -293,7 +317,14 @@ class Pool:
                 if not entry.demanded:
                     entry.demanded = now
                 todo += list(entry.deps)
-            self.lock.wait_for(lambda: all(self.entries[k].state == "done" for k in names.values()))
+            while not all(self.entries[k].state == "done" for k in names.values()):
+                if self.thread is None:  # ended with runs left: start it again
+                    self.lock.release()
+                    try:
+                        self.start()
+                    finally:
+                        self.lock.acquire()
+                self.lock.wait(1.0)
         return {name: self._view(module, name, self.entries[key]) for name, key in names.items()}
 
     def _view(self, module: str, name: str, entry: Entry) -> Run:
@@ -308,12 +339,26 @@ class Pool:
     def _folder(self, module: str, name: str) -> Path:
         return self.entries[self.modules[module][name]].run.folder
 
+    @contextlib.contextmanager
+    def quiet(self):
+        """No run of the pool alongside: new launches wait and the running ones finish first,
+        for tests whose own deadlines assume an otherwise idle machine."""
+        with self.lock:
+            self.paused = True
+            self.lock.wait_for(lambda: not self.active or self.thread is None)
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.paused = False
+                self.lock.notify_all()
+
     def close(self) -> None:
         """Ends the session's launches: what is still running is killed."""
         with self.lock:
             self.closing = True
             for _entry, proc, log in self.active:
-                proc.kill()
+                stop_run(proc)
                 log.close()
             self.active.clear()
 

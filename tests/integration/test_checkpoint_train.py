@@ -46,17 +46,18 @@ LAYOUTS = {
     "zero2": (PARITY["zero2_2_accum_ac_sel2"].nproc, PARITY["zero2_2_accum_ac_sel2"].args),
     "zero3": (2, ("--parallelism.zero_stage=3", "--training.local_batch_size=4")),
     "hsdp": (PARITY["hsdp_2x2"].nproc, PARITY["hsdp_2x2"].args),
+    # Llama 3.2's tied embeddings under TP 2 x FSDP 2 (the one matrix re-tied after a load)
+    "tied_tp2_fsdp2": (PARITY["tied_tp2_fsdp2"].nproc, PARITY["tied_tp2_fsdp2"].args),
     "pp2": (PP_PARITY["pp2_1f1b"].nproc, PP_PARITY["pp2_1f1b"].args),
     "pp2_interleaved": (2, PP_PARITY["pp2_interleaved_1f1b"].args),
     "pp2_2_layers": (2, PP),  # one layer per stage, the default schedule
 }
 PIPELINE_COMMON = {"pp2", "pp2_interleaved"}  # the layouts of the pipeline parity runs
 # The parity run of each layout is the reference; its step-10 checkpoint (saved synchronously)
-# continues to step 20 saving asynchronously every 5 steps, keeping the latest 2: bit for bit.
-RESUMED = ["single", "fsdp4", "tp2_fsdp2", "pp2", "zero1", "zero2", "hsdp"]
-# ZeRO-2's shards are views at a storage offset (async staging once crashed on them): its
-# asynchronously saved step-15 continues again, to step 20
-FROM_ASYNC = "zero2"
+# continues to step 20 saving asynchronously every 5 steps, keeping the latest 2, and that
+# run's asynchronously saved step-15 continues again to step 20: both bit for bit. (ZeRO-2's
+# shards are views at a storage offset: async staging once crashed on them.)
+RESUMED = ["single", "fsdp4", "tp2_fsdp2", "pp2", "zero1", "zero2", "hsdp", "tied_tp2_fsdp2"]
 ASYNC = ("--checkpoint.async_mode=async", "--checkpoint.interval=5", "--checkpoint.keep_latest_k=2")
 RESHARDS = [
     ("fsdp4", "fsdp2"),
@@ -103,11 +104,11 @@ def _plan() -> list[Run]:
     plan = [layout_run(f"ref_{layout}", layout) for layout in LAYOUTS]
     step10 = "checkpoint/step-10"
     for layout in RESUMED:
+        step15 = (f"resumed_{layout}", "checkpoint/step-15")
         plan.append(
             layout_run(f"resumed_{layout}", layout, *ASYNC, copy_from=(f"ref_{layout}", step10))
         )
-    plan.append(layout_run("resumed_again", FROM_ASYNC, *ASYNC,
-                           copy_from=(f"resumed_{FROM_ASYNC}", "checkpoint/step-15")))  # fmt: skip
+        plan.append(layout_run(f"again_{layout}", layout, *ASYNC, copy_from=step15))
     for src, dst in RESHARDS:
         copy = (f"ref_{src}", step10)
         plan.append(layout_run(f"reshard_{src}_{dst}", dst, model=src, copy_from=copy))
@@ -146,8 +147,7 @@ def pool_runs(selected) -> list[Run]:
     for item in selected:
         params = item.callspec.params if hasattr(item, "callspec") else {}
         if item.originalname == "test_exact_resume_with_async_saves":
-            want |= {f"resumed_{params['layout']}"}
-            want |= {"resumed_again"} if params["layout"] == FROM_ASYNC else set()
+            want |= {f"resumed_{params['layout']}", f"again_{params['layout']}"}
         if item.originalname == "test_reshard":
             want |= {f"reshard_{params['src']}_{params['dst']}"}
         if item.originalname == "test_hf_export_loads_in_transformers_with_the_trained_logits":
@@ -194,6 +194,7 @@ def steps(d: dict, lo: int, hi: int) -> list[float]:
 def test_exact_resume_with_async_saves(runs, layout):
     ref = runs[f"ref_{layout}"].check()
     assert_layout(ref.folder, ref.nproc, ref.args, n_layers(ref))
+    assert sorted(losses(ref.folder)) == list(range(1, 21))
     resumed = runs[f"resumed_{layout}"].check()
     assert "step-10 (latest checkpoint in the run folder) step 10" in log_text(resumed.folder)
     assert sorted(losses(resumed.folder)) == list(range(11, 21))
@@ -202,15 +203,18 @@ def test_exact_resume_with_async_saves(runs, layout):
     assert names == ["step-15", "step-20"], names
     # every step's loss and grad norm, and the final weights (read from the async step-20)
     assert_parity(ref.folder, resumed.folder, EXACT, first=11)
-    if layout == FROM_ASYNC:  # the asynchronously saved step-15 continues exactly too
-        again = runs["resumed_again"].check()
-        assert "step-15 (latest checkpoint in the run folder) step 15" in log_text(again.folder)
-        assert_parity(ref.folder, again.folder, EXACT, first=16)
+    # the asynchronously saved step-15 (weights, optimizer, loader, schedule, RNG) continues
+    again = runs[f"again_{layout}"].check()
+    assert "step-15 (latest checkpoint in the run folder) step 15" in log_text(again.folder)
+    assert sorted(losses(again.folder)) == list(range(16, 21))
+    assert_parity(ref.folder, again.folder, EXACT, first=16)
 
 
 @pytest.mark.parametrize("src,dst", RESHARDS)
 def test_reshard(runs, src, dst):
-    src_dump = runs[f"ref_{src}"].check().folder
+    source = runs[f"ref_{src}"].check()
+    assert_layout(source.folder, source.nproc, source.args, n_layers(source))
+    src_dump = source.folder
     run = runs[f"reshard_{src}_{dst}"].check()
     assert sorted(losses(run.folder)) == list(range(11, 21))
     assert_layout(run.folder, run.nproc, run.args, n_layers(run))

@@ -1,8 +1,8 @@
 """Context parallelism trains exactly like one process: every sequence split over 2 or 4 CP
 ranks (load-balanced chunks, global RoPE positions, K/V all-gathered in every layer), alone and
 with FSDP, TP and PP, with and without document masking, for Llama and Qwen3, with ZeRO-1/2
-for Llama, and for the MoE family three times (CP alone, EP 2 drawn from CP 2 x FSDP 2, and
-PP x CP with compile and per-op AC at once). The harness of `tests/parity.py`: loss and
+for Llama, and for the MoE family twice (CP alone, EP 2 drawn from CP 2 x FSDP 2; PP x CP with
+compile and per-op AC at once, and Llama's plain CP 2, are float64 rows of test_fp64_parity.py). The harness of `tests/parity.py`: loss and
 gradient norm at every step, final weights, and the layout built (a "cp" mesh dimension, every
 block's attention swapped for the context-parallel one, the weights sharded over the
 data-parallel and CP ranks together).

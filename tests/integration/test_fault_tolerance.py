@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+# a 5-second collective timeout and restarts: no pool run alongside (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("quiet_pool")
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "tests" / "tiny_model.toml"
 COMMON = ["--training.steps", "6", "--training.local_batch_size", "4"]

@@ -5,7 +5,8 @@ FSDP and context parallelism exactly like one process, with the harness of `test
 32-token sequences, layer 1 is global; attention and output logits soft-capped). Under CP the
 window crosses the ranks' load-balanced chunks and, with document masking, document ends;
 nothing of that is Gemma's own code (its layers declare an `AttentionSpec`). A step-10
-checkpoint resumes bit for bit in the same layout and resharded onto TP 2.
+checkpoint resumes resharded onto TP 2. TP 2 and CP 2 with documents alone are the float64
+rows of test_fp64_parity.py.
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ and `tp2`), which is what lets `tests/mutation/run.py` run one layout per plante
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from dist_utils import Run
@@ -125,10 +127,19 @@ def pool_runs(selected) -> list[Run]:
     todo += family_runs(want, COMMON, {}, LAYOUTS)
     todo += resumed_runs(want, COMMON, RESUMES)
     for rerun, first in RERUN_OF.items():
-        if rerun in want:  # on the compile cache the first run filled (this module's)
+        if rerun in want:
             args = ["--training.steps", str(RERUN_STEPS), *LAYOUTS[first].args]
             todo.append(Run(rerun, LAYOUTS[first].nproc, args, after=first))
-    return todo
+    # the compiled runs and the rerun share one inductor cache of their own, named here: the
+    # rerun must find what its first run compiled, whoever else declares such a run
+    return [dataclasses.replace(r, env=COMPILE_CACHE) if _compiled(r) else r for r in todo]
+
+
+COMPILE_CACHE = {"TORCHINDUCTOR_CACHE_DIR": "{pool}/inductor_parallel_parity"}
+
+
+def _compiled(run: Run) -> bool:
+    return "--compile.enable=true" in run.args
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

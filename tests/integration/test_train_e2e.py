@@ -38,16 +38,23 @@ DETERMINISTIC = ("--training.steps", "4", "--debug.deterministic", "true",
                  "--validation.enable", "false")  # fmt: skip
 
 
-def pool_runs(selected) -> list[Run]:
-    return [
+RUNS = {  # test -> the runs it reads
+    "test_two_rank_run_learns_and_writes_every_output": [
         run("two_ranks", "--training.steps", "20", "--optimizer.lr", "3e-3",
-            "--validation.freq", "10", "--validation.steps", "2", nproc=2),
-        run("a", *DETERMINISTIC),
-        run("b", *DETERMINISTIC, after="a"),  # a launch of its own, after the first
-        # A huge LR makes the weights ~1e30 after step 1, so step 2's forward overflows to NaN.
+            "--validation.freq", "10", "--validation.steps", "2", nproc=2)],
+    # two fresh interpreters (not forks of one warm process, which share the hash seed and
+    # whatever was drawn at import), the second a launch of its own after the first
+    "test_deterministic_runs_are_bit_identical": [
+        run("a", *DETERMINISTIC, fresh=True), run("b", *DETERMINISTIC, after="a", fresh=True)],
+    # A huge LR makes the weights ~1e30 after step 1, so step 2's forward overflows to NaN.
+    "test_non_finite_loss_stops_the_run_naming_the_step": [
         run("nan", "--training.steps", "10", "--optimizer.lr", "1e30", "--training.max_norm", "0",
-            "--validation.enable", "false"),
-    ]  # fmt: skip
+            "--validation.enable", "false")],
+}  # fmt: skip
+
+
+def pool_runs(selected) -> list[Run]:
+    return [r for name in {item.originalname for item in selected} for r in RUNS.get(name, [])]
 
 
 def torchrun(dump: Path, *args) -> subprocess.Popen:
