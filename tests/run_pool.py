@@ -47,7 +47,10 @@ from pathlib import Path
 
 from dist_utils import Run, start_run, stop_run
 
-PARALLEL = 2  # runs at a time: the suite's machine has 2 cores
+# runs at a time, and the ranks they may hold together (a run wider than that starts alone);
+# MESHTRAIN_POOL_PARALLEL and MESHTRAIN_POOL_RANKS set others, to measure
+PARALLEL = int(os.environ.get("MESHTRAIN_POOL_PARALLEL", 2))
+RANKS = int(os.environ.get("MESHTRAIN_POOL_RANKS", 16))
 PLACEHOLDER = re.compile(r"\{run:([^}]+)\}")
 # what leaves the key: where a run writes, and words that change nothing it computes
 UNKEYED = {("job", "dump_folder"), ("job", "config_file"), ("job", "description")}
@@ -212,7 +215,7 @@ class Pool:
             try:
                 while not self.closing:
                     while not self.paused and len(self.active) < PARALLEL:
-                        if (entry := self._next()) is None:
+                        if (entry := self._next()) is None or not self._fits(entry):
                             break
                         self._guarded(self._launch, entry)
                     for item in list(self.active):
@@ -227,6 +230,10 @@ class Pool:
             finally:
                 self.thread = None  # under the lock: a later start() begins a new one
                 self.lock.notify_all()
+
+    def _fits(self, entry: Entry) -> bool:
+        held = sum(e.run.nproc for e, _, _ in self.active)
+        return not self.active or held + entry.run.nproc <= RANKS
 
     def _fail_all(self, why: str) -> None:
         for _entry, proc, log in self.active:
