@@ -71,7 +71,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if hasattr(item.module, "pool_runs"):
             by_module.setdefault(item.module, []).append(item)
     if by_module:
-        from run_pool import Pool  # tests/run_pool.py: every train.py run of the session
+        from run_pool import Pool  # tests/run_pool.py: every train.py run of the test run
 
         pool = Pool(config._tmp_path_factory.mktemp("pool", numbered=False))
         for module, selected in by_module.items():
@@ -89,7 +89,7 @@ def pytest_runtestloop(session: pytest.Session) -> None:
 
 @pytest.fixture(scope="session")
 def pool(request):
-    """The session's run pool (tests/run_pool.py), for runs a test makes as it runs."""
+    """The run pool of this pytest run (tests/run_pool.py), for runs a test makes as it runs."""
     from run_pool import Pool
 
     config = request.config

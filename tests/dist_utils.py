@@ -1,6 +1,6 @@
 """Helpers to launch real multi-process `train.py` runs on tiny configs and read their metrics.
 
-Runs use gloo on CPU. Tests declare them as `Run`s and the session-wide pool
+Runs use gloo on CPU. Tests declare them as `Run`s and the suite-wide pool
 (`tests/run_pool.py`) launches each distinct one once. `start_run` forks a run's ranks from
 one warm process that has imported torch and the trainer already (`tests/fork_launcher.py`:
 the environment torchrun gives its workers, torchrun's exit status);
@@ -100,7 +100,7 @@ def read_param_counts(folder: Path) -> dict[str, int]:
     return json.loads((Path(folder) / "layout.json").read_text())["parameters"]
 
 
-# the environment as the session started: runs launched while a test patches os.environ do not
+# the environment as the test run started: runs launched while a test patches os.environ do not
 # inherit the patch
 _SESSION_ENV = dict(os.environ)
 

@@ -1,4 +1,4 @@
-"""The session-wide run pool: every `train.py` run of the suite declared as data, each distinct
+"""The suite-wide run pool: every `train.py` run of the suite declared as data, each distinct
 run launched once, in the background, while the tests run.
 
 A module declares its runs with a module-level function `pool_runs(selected)` that returns
@@ -25,7 +25,7 @@ Launches go through the one forking launcher (`dist_utils.start_run`), two at a 
 cores. Order: the runs a waiting test needs (and what they start from) first, else the
 longest first by an estimate of their cost, so that no core idles at the end. A run whose
 first failing rank died of a signal (a native crash) is relaunched once, its first log kept.
-The pool prints what it de-duplicated at the end of the session; `pool.log` in its folder has
+The pool prints what it de-duplicated at the end of the test run; `pool.log` in its folder has
 one line per launch.
 """
 
@@ -246,7 +246,7 @@ class Pool:
                 entry.run.output = f"run pool: stopped by an error of its own:\n{why}"
 
     def _guarded(self, step, entry: Entry, *rest) -> None:
-        """`step(entry, ...)`; an error of the pool itself fails that run, not the session."""
+        """`step(entry, ...)`; an error of the pool itself fails that run, not the test run."""
         try:
             step(entry, *rest)
         except Exception as e:
@@ -361,7 +361,7 @@ class Pool:
                 self.lock.notify_all()
 
     def close(self) -> None:
-        """Ends the session's launches: what is still running is killed."""
+        """Ends the test run's launches: what is still running is killed."""
         with self.lock:
             self.closing = True
             for _entry, proc, log in self.active:

@@ -8,7 +8,7 @@
 Each mutant is one exact text replacement in one product file. For each, the tracked tree is
 copied to a temporary folder, the replacement is applied there (the working tree is never
 touched), and only the tests that target the mutant run there (`pytest NODE ...`: one pytest
-session, whose run pool, tests/run_pool.py, launches only the runs those tests declare, each
+run, whose run pool, tests/run_pool.py, launches only the runs those tests declare, each
 once however many of them read it). A mutant is caught when at least one of
 its target tests fails. The target tests pass on the unmutated tree: the suite runs them in
 the same CI job, before this script. Exit status 1 if any mutant is missed, or if a mutant's
