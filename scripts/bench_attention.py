@@ -41,7 +41,6 @@ import torch.nn.functional as F
 from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from models.attention import AttentionCore, AttentionSpec, attend, attention_batch  # noqa: E402
 

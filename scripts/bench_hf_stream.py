@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def make_hf(flavor: str, folder: Path, shard_bytes: int, dtype=torch.bfloat16) -> dict:

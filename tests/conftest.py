@@ -77,17 +77,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for module, selected in by_module.items():
             pool.declare(module.__name__, module.pool_runs(selected))
         config.meshtrain_pool = pool
+        if not config.option.collectonly:  # launching starts as the tests do, alongside them
+            pool.start()
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtestloop(session: pytest.Session) -> None:
-    """The pool starts launching as the tests start: runs go on while other tests run."""
-    pool = getattr(session.config, "meshtrain_pool", None)
-    if pool is not None and not session.config.option.collectonly:
-        pool.start()
-
-
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # one pool for all: kept on the config
 def pool(request):
     """The run pool of this pytest run (tests/run_pool.py), for runs a test makes as it runs."""
     from run_pool import Pool
@@ -115,8 +109,8 @@ def runs(request, pool):
     return pool.wait(request.module.__name__)
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    pool = getattr(session.config, "meshtrain_pool", None)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    pool = getattr(config, "meshtrain_pool", None)
     if pool is not None:
         pool.close()
 
