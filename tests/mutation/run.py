@@ -4,12 +4,15 @@
     python tests/mutation/run.py --only tp_not_applied,dp_offset_off_by_one
     python tests/mutation/run.py --list          # the catalogue, nothing run
     python tests/mutation/run.py --markdown docs/mutation_check.md
+    python tests/mutation/run.py --jobs 1        # one mutant at a time (default 2)
 
 Each mutant is one exact text replacement in one product file. For each, the tracked tree is
 copied to a temporary folder, the replacement is applied there (the working tree is never
 touched), and only the tests that target the mutant run there (`pytest NODE ...`: one pytest
 run, whose run pool, tests/run_pool.py, launches only the runs those tests declare, each
-once however many of them read it). A mutant is caught when at least one of
+once however many of them read it). Two mutants run at a time (`--jobs`): each pytest run
+starts with a few seconds of a single core importing torch and collecting, which the other
+mutant's runs fill. A mutant is caught when at least one of
 its target tests fails. The target tests pass on the unmutated tree: the suite runs them in
 the same CI job, before this script. Exit status 1 if any mutant is missed, or if a mutant's
 text is no longer found in its file (the catalogue must follow the code).
@@ -18,6 +21,7 @@ text is no longer found in its file (the catalogue must follow the code).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import os
 import shutil
 import subprocess
@@ -111,12 +115,24 @@ def table(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def _report(i: int, n: int, r: dict) -> dict:
+    """Prints one mutant's outcome (in catalogue order, as each finishes) and returns it."""
+    m = r["mutant"]
+    print(f"[{i}/{n}] {m.name}: {m.bug}", flush=True)
+    verdict = "caught by " + ", ".join(r["failed"]) if r["caught"] else "MISSED"
+    print(f"    {verdict} ({r['seconds']:.0f} s)", flush=True)
+    if not r["caught"]:
+        print(r["output"], flush=True)
+    return r
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--only", default="", help="comma-separated mutant names")
     ap.add_argument("--list", action="store_true", help="print the catalogue and exit")
     ap.add_argument("--markdown", default="", help="also write the result table to this file")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per mutant")
+    ap.add_argument("--jobs", type=int, default=2, help="mutants at a time")
     args = ap.parse_args(argv)
     mutants = MUTANTS
     if args.only:
@@ -132,16 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     files = tracked_files(ROOT)
     for m in mutants:  # every mutant still applies, before anything runs
         mutated(m, ROOT)
-    results = []
     with tempfile.TemporaryDirectory(prefix="mutation_") as tmp:
-        for i, m in enumerate(mutants, 1):
-            print(f"[{i}/{len(mutants)}] {m.name}: {m.bug}", flush=True)
-            r = run_mutant(m, files, Path(tmp), args.timeout)
-            verdict = "caught by " + ", ".join(r["failed"]) if r["caught"] else "MISSED"
-            print(f"    {verdict} ({r['seconds']:.0f} s)", flush=True)
-            if not r["caught"]:
-                print(r["output"], flush=True)
-            results.append(r)
+        with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as ex:
+            futures = [ex.submit(run_mutant, m, files, Path(tmp), args.timeout) for m in mutants]
+            results = [_report(i, len(mutants), f.result()) for i, f in enumerate(futures, 1)]
     text = table(results)
     print(text)
     if args.markdown:
