@@ -10,11 +10,11 @@ the ranks, the fully resolved configuration (the TOML preset plus the overrides,
 real config loader; the output folder left out), the extra environment, and the keys of the
 runs it starts from. Two modules that ask for the same run read one launch.
 
-Each module's runs share an inductor cache of their own (`{pool}/inductor_<module>`, the
-module that declared the run first): compiled graphs are reused within a module, as runs on
-one machine reuse them, never handed between modules (torch 2.13 has handed a stale compiled
-TP graph from another run's cache entries back). An environment value may name `{pool}`, the
-pool's folder.
+Every run shares one inductor cache (`{pool}/inductor`), as runs on one machine do: the
+compiled kernels are keyed by their source, and the graphs by each rank's global rank and
+process groups (`parallelisms.compile.key_compile_caches_to_rank`), so a graph is found again
+only by the same rank of the same layout. A run whose environment names
+TORCHINDUCTOR_CACHE_DIR keeps its own. An environment value may name `{pool}`, the pool's folder.
 
 A run may start from another: `after` (a name of the same module: wait for it), `copy_from`
 ((name, path inside its folder): copied into this run's folder before the launch, "" the whole
@@ -272,8 +272,7 @@ class Pool:
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copytree(src, dst, dirs_exist_ok=True)
         log = open(run.folder.with_suffix(".log"), "w+")  # closed when the run ends
-        module = entry.users[0][0].split("#")[0].replace("/", "_")
-        env = {"TORCHINDUCTOR_CACHE_DIR": f"{{pool}}/inductor_{module}", **run.env}
+        env = {"TORCHINDUCTOR_CACHE_DIR": "{pool}/inductor", **run.env}
         env = {k: v.replace("{pool}", str(self.base)) for k, v in env.items()}
         proc = start_run(dataclasses.replace(run, env=env), log)
         entry.state, entry.started = "active", time.monotonic()

@@ -84,16 +84,14 @@ def second_launch(name: str, row: Row, args: list[str]) -> list[str] | None:
 
 
 def pool_runs(selected):
-    # one inductor cache for the whole design, as every run on one machine shares one
-    env = {"TORCHINDUCTOR_CACHE_DIR": "{pool}/inductor_matrix"}
     todo, refs = [], {}
     for name in sorted(selected_runs(selected, ROWS, {})):
         launch = launch_of(ROWS[name])
         refs[launch.reference] = launch.reference_args
-        todo.append(Run(name, launch.nproc, launch.args, env=env))
+        todo.append(Run(name, launch.nproc, launch.args))
         again = second_launch(name, ROWS[name], launch.args)
         if again is not None:
-            todo.append(Run(f"{name}_again", launch.nproc, again, env=env, after=name))
+            todo.append(Run(f"{name}_again", launch.nproc, again, after=name))
     return [Run(n, 1, a) for n, a in sorted(refs.items())] + todo
 
 

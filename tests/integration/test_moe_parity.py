@@ -95,10 +95,7 @@ def pool_runs(selected):
         "test_resume_and_reshard_across_ep_degrees": [*RESUMED, "aux"],
         "test_moe_reference_trains_and_balances": ["aux", "aux_bias"],
     }
-    # a private inductor cache (torch 2.13 has handed a stale compiled TP graph from another
-    # run's cache entries back)
-    env = {"TORCHINDUCTOR_CACHE_DIR": "{pool}/inductor_moe"}
-    return family_pool_runs(selected, COMMON, REFERENCES, LAYOUTS, RESUMED, needs, env=env)
+    return family_pool_runs(selected, COMMON, REFERENCES, LAYOUTS, RESUMED, needs)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -14,8 +14,6 @@ and `tp2`), which is what lets `tests/mutation/run.py` run one layout per plante
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from dist_utils import Run
@@ -130,16 +128,7 @@ def pool_runs(selected) -> list[Run]:
         if rerun in want:
             args = ["--training.steps", str(RERUN_STEPS), *LAYOUTS[first].args]
             todo.append(Run(rerun, LAYOUTS[first].nproc, args, after=first))
-    # the compiled runs and the rerun share one inductor cache of their own, named here: the
-    # rerun must find what its first run compiled, whoever else declares such a run
-    return [dataclasses.replace(r, env=COMPILE_CACHE) if _compiled(r) else r for r in todo]
-
-
-COMPILE_CACHE = {"TORCHINDUCTOR_CACHE_DIR": "{pool}/inductor_parallel_parity"}
-
-
-def _compiled(run: Run) -> bool:
-    return "--compile.enable=true" in run.args
+    return todo
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -25,13 +25,12 @@ def _layers(args: list[str]) -> int:
 
 
 def pool_runs(selected):
-    env = {"TORCHINDUCTOR_CACHE_DIR": "{pool}/inductor_presets"}
     todo = []
     wanted = {item.callspec.params["name"] for item in selected if hasattr(item, "callspec")}
     for name in sorted(wanted):
         nproc, args = scaled_preset(name)
         assert args[:2] == ["--config", name]
-        todo.append(Run(name, nproc, args[2:], env=env, config=name))
+        todo.append(Run(name, nproc, args[2:], config=name))
     return todo
 
 
