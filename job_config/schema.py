@@ -321,7 +321,13 @@ class Validation:
     )
     dataset_path: str = opt("", "Validation file/glob/folder or HF name ('' = as training)")
     freq: int = opt(100, "Validate every this many steps", ge=1)
-    steps: int = opt(-1, "Validation batches per evaluation (-1 = the whole split)", ge=-1)
+    steps: int = opt(
+        -1,
+        "Global batches (training.global_batch_size sequences, as a training step reads them) "
+        "per evaluation; -1 = the whole split less its last incomplete global batch. The same "
+        "sequences under every layout and accumulation",
+        ge=-1,
+    )
     per_source: list[str] = opt(
         [],
         "With training.mixture: held-out data of each source, KIND:PATH in the mixture's order; "

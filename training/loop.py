@@ -3,6 +3,7 @@ named pieces of a step, the loop that calls them and the teardown after it."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -251,11 +252,15 @@ def maybe_validate(run: Run) -> None:
     step = run.state.step
     if run.val_loader is None or step % run.cfg.validation.freq != 0:
         return
-    steps = run.cfg.validation.steps
-    val_loss = evaluate(run.setup, run.val_loader, steps, run.device)
+    # validation steps of whole global batches, read as a training step reads one
+    evaluate_on = functools.partial(
+        evaluate, run.setup, steps=run.cfg.validation.steps, device=run.device,
+        micro_batches=run.accum_steps,
+    )  # fmt: skip
+    val_loss = evaluate_on(run.val_loader)
     record = {"loss": val_loss, "perplexity": math.exp(min(val_loss, 50.0))}
     for label, loader in (run.val_sources or {}).items():  # each mixture source's held-out loss
-        record[f"loss_{label}"] = evaluate(run.setup, loader, steps, run.device)
+        record[f"loss_{label}"] = evaluate_on(loader)
     run.metrics.log(step, record, kind="validation")
 
 

@@ -10,6 +10,10 @@ a layout bug from noise in a new family. In float64 the noise is ~1e-13, so anyt
 token to another expert in another layout; in float64 no tie flips, so the expert loads of
 every step must agree exactly too (`assert_router_parity` at the same tolerance).
 
+Validation rides along: every run evaluates 2 global batches of the held-out split at steps
+4 and 8, and the validation losses must agree at the same tolerance, whatever the data
+parallelism, accumulation or pipeline split of the global batch.
+
 Cheap by design: the tiny shape of `tests/tiny_model.toml`, 8 steps, 2 ranks except one
 4-rank composition per family that needs it.
 """
@@ -25,6 +29,8 @@ from parity import (
     assert_layout,
     assert_parity,
     assert_router_parity,
+    assert_series,
+    by_step,
     family_pool_runs,
     final_weights,
     moe_local_blocks,
@@ -33,7 +39,8 @@ from parity import (
 
 STEPS = 8  # the checkpoint of the last step holds the final weights
 COMMON = ["--training.steps", str(STEPS), *CHECKPOINT_ARGS,
-          "--training.mixed_precision_param", "float64"]  # fmt: skip
+          "--training.mixed_precision_param", "float64",
+          "--validation.enable", "true", "--validation.freq", "4", "--validation.steps", "2"]  # fmt: skip
 MOE = ("--model.name=qwen3_moe", "--optimizer.lr=1e-3")  # lr: see test_moe_parity.py
 # PP splits a rank's batch into microbatches, each with its own load-balancing loss, so the
 # PP run and its reference use the per-token z-loss and the bias balancing instead
@@ -97,9 +104,14 @@ def test_fp64_layout_matches_one_process(runs, name):
     weights = final_weights(run.folder, STEPS)
     assert {w.dtype for w in weights.values()} == {torch.float64}, "not float64 weights"
     worst = assert_parity(ref.folder, run.folder, row.tol, step=STEPS)
+    val_ref = by_step(ref.folder, "loss", "validation")
+    val = by_step(run.folder, "loss", "validation")
+    assert sorted(val_ref) == [4, STEPS], f"validation at steps {sorted(val_ref)}"
+    worst["validation"] = assert_series(val_ref, val, "validation loss", row.tol.loss)
     if name.startswith("moe"):  # no tie flips: the same tokens per expert at every step
         assert_router_parity(ref.folder, run.folder, tol=FP64.loss)
     print(
-        f"\n{name}: loss {worst['loss']:.1e} grad norm {worst['grad_norm']:.1e} weights "
-        f"{worst['max_rel']:.1e} ({worst['worst']}) norm-wise {worst['max_rel_norm']:.1e}"
+        f"\n{name}: loss {worst['loss']:.1e} validation {worst['validation']:.1e} grad norm "
+        f"{worst['grad_norm']:.1e} weights {worst['max_rel']:.1e} ({worst['worst']}) "
+        f"norm-wise {worst['max_rel_norm']:.1e}"
     )

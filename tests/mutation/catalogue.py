@@ -584,4 +584,13 @@ MUTANTS = [
         '                            "data_offsets": [start, end]}  # fmt: skip\n            start = 0\n',
         (f"{HF_STREAM}::test_streamed_round_trip_is_exact[llama3]",),
     ),
+    Mutant(
+        "validation_reads_one_micro_batch_a_step",
+        "validation: a validation step reads local_batch_size x DP sequences (one micro-batch), "
+        "not a global batch, so the validation set changes with the accumulation",
+        "training/loop.py",
+        "micro_batches=run.accum_steps,",
+        "micro_batches=1,",
+        (f"{FP64_PARITY}[llama_zero2_accum]",),
+    ),
 ]

@@ -295,3 +295,18 @@ def test_step_error_names_rank_step_and_the_timeout_setting():
     assert str(step_error(run, RuntimeError("Socket Timeout"))) == (
         "rank 1 failed at step 5: RuntimeError: Socket Timeout (comm.train_timeout_seconds = 42)"
     )
+
+
+def test_validation_steps_are_whole_global_batches_whatever_the_split():
+    from training.validate import global_batches
+
+    def read(micro_batches, steps, batches=7):
+        return [list(g) for g in global_batches(range(batches), micro_batches, steps)]
+
+    # one global batch = 2 loader batches (accumulation 2): 3 whole ones of 7 batches, the
+    # seventh (half a global batch) left out, so 1 x 6 and 2 x 3 read the same sequences
+    assert read(2, -1) == [[0, 1], [2, 3], [4, 5]]
+    assert read(1, -1, batches=6) == [[0], [1], [2], [3], [4], [5]]
+    assert read(2, 2) == [[0, 1], [2, 3]]
+    assert read(3, 5) == [[0, 1, 2], [3, 4, 5]]
+    assert read(2, 0) == []
