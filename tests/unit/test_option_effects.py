@@ -804,7 +804,7 @@ LOGGING_ONLY: dict[str, str] = {
     "profiling.save_memory_snapshot_folder": "where the snapshot goes",
     "profiling.memory_snapshot_step": "after which step the snapshot is written",
     "validation.freq": "how often the held-out loss is measured (no training state changes)",
-    "validation.steps": "how many held-out batches each measurement averages",
+    "validation.steps": "how many held-out global batches each measurement averages",
 }
 
 
