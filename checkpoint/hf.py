@@ -332,10 +332,14 @@ def model_from_layout(path: Path):
     from models import get_model_spec
 
     model = read_layout(path).get("model", {})
-    if not model.get("args"):
-        raise CheckpointError(f"{path}/layout.json does not record the model arguments")
+    if not model.get("args") or not model.get("name"):
+        raise CheckpointError(
+            f"{path}/layout.json does not record the model family and its arguments (model.name "
+            "and model.args), so the checkpoint's architecture is unknown: use a step folder "
+            "that train.py saved (it writes layout.json beside every checkpoint)"
+        )
     try:
-        spec = get_model_spec(model.get("name", "llama3"))
+        spec = get_model_spec(model["name"])
     except ValueError as e:
         raise CheckpointError(f"{path}: {e}") from None
     args_cls = type(next(iter(spec.flavors.values())))

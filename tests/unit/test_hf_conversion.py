@@ -205,3 +205,13 @@ def test_a_family_without_an_adapter_is_refused(tmp_path, capsys):
         assert "llama3" in err and "qwen3" in err
     finally:
         del MODELS["no_adapter"]
+
+
+@pytest.mark.parametrize("model", [{}, {"args": {"dim": 64}}, {"name": "llama3"}])
+def test_a_layout_naming_no_family_or_arguments_is_refused(tmp_path, model):
+    from checkpoint.hf import model_from_layout
+    from checkpoint.storage import LAYOUT_FILE, CheckpointError
+
+    (tmp_path / LAYOUT_FILE).write_text(json.dumps({"model": model}))
+    with pytest.raises(CheckpointError, match="does not record the model family"):
+        model_from_layout(tmp_path)  # no family guessed: the architecture is unknown
