@@ -100,27 +100,16 @@ class DPDataLoader:
         self._reader = self.source.reader(0, {}, self.infinite)  # finite pass done: rewind
 
     def _next_batch(self) -> Batch | None:
-        """This rank's rows of the next global batch; None when a finite pass ends. A
-        random-access source or a sharded stream is read at this rank's rows only (the cost per
-        rank does not grow with DP); one stream is walked through every row of the global
-        batch."""
-        rows = []
+        """This rank's rows of the next global batch; None when a finite pass ends. The reader
+        reaches them as its source allows: a random-access source or a sharded stream reads
+        only this rank's rows (the cost per rank does not grow with DP), one stream walks
+        through every row of the global batch."""
         size = self.local_batch_size * self.dp_degree
+        start = self._reader.position
         try:
-            start = self._reader.position
-            mine = range(start + self.dp_rank, start + size, self.dp_degree)
-            if hasattr(self._reader, "read_rows"):  # a sharded stream: only this rank's rows
-                rows = self._reader.read_rows(mine, start + size)
-            elif getattr(self.source, "random_access", False):
-                if not self.infinite:  # a finite pass drops its last incomplete global batch
-                    self.source.window(start + size - 1, False)
-                rows = [self.source.window(g, self.infinite) for g in mine]
-                self._reader.position = start + size
-            else:
-                for k in range(size):
-                    row = self._reader.advance(keep=k % self.dp_degree == self.dp_rank)
-                    if row is not None:
-                        rows.append(row)
+            rows = self._reader.read_rows(
+                range(start + self.dp_rank, start + size, self.dp_degree), start + size
+            )
         except EndOfEpoch:
             return None
         sequences = torch.from_numpy(np.stack([tokens for tokens, _ in rows]).astype(np.int64))

@@ -72,9 +72,38 @@ class SequenceReader(Protocol):
         """Move past the next sequence, returning its window if `keep`."""
         ...
 
+    def read_rows(self, rows: range, end: int) -> list[Window]:
+        """The windows of global sequences `rows` (ascending, in [position, end)); then the
+        position is `end`. EndOfEpoch where a finite pass ends first. Each reader reaches
+        the rows as cheaply as its source allows (random access, walking, one shard each)."""
+        ...
+
     def cursor(self) -> dict[str, Any]:
         """Source-specific resume information for `position` (identical on all ranks)."""
         ...
+
+
+class WalkingReader:
+    """`read_rows` for a reader that reaches a row only by walking past those before it."""
+
+    position: int
+
+    def read_rows(self, rows: range, end: int) -> list[Window]:
+        windows = []
+        while self.position < end:
+            window = self.advance(keep=self.position in rows)
+            if window is not None:
+                windows.append(window)
+        return windows
+
+
+def random_access_rows(source: Any, rows: range, end: int, infinite: bool) -> list[Window]:
+    """`rows` by `source.window(g)` alone (a random-access source: a rank reads only its
+    own rows); a finite pass first checks that its global batch ends inside epoch 0 (the
+    last incomplete one is dropped)."""
+    if not infinite:
+        source.window(end - 1, False)
+    return [source.window(g, infinite) for g in rows]
 
 
 class SequenceSource(Protocol):
@@ -250,6 +279,11 @@ class PositionReader:
     """Walks the global stream of a random-access source (`window(g)`): the position is all
     its state."""
 
+    def read_rows(self, rows: range, end: int) -> list[Window]:
+        windows = random_access_rows(self.source, rows, end, self.infinite)
+        self.position = end
+        return windows
+
     def __init__(self, source: Any, position: int, infinite: bool) -> None:
         self.source, self.position, self.infinite = source, position, infinite
 
@@ -284,7 +318,7 @@ class StreamedTokens:
         return StreamReader(self, position, cursor, infinite)
 
 
-class StreamReader:
+class StreamReader(WalkingReader):
     """Packs a document stream into sequences, keeping a resumable cursor.
 
     The cursor names the epoch, the global index where it started, and the document holding

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from data.dataset import SequenceSource, Window
+from data.dataset import SequenceSource, WalkingReader, Window, random_access_rows
 
 
 def parse_mixture(entries: list[str]) -> list[tuple[str, str, float]]:
@@ -126,7 +126,7 @@ class MixtureSource:
         return MixtureReader(self, position, readers, infinite)
 
 
-class MixtureReader:
+class MixtureReader(WalkingReader):
     """Walks the blended stream: by position alone for random-access sources, else through
     each source's own reader."""
 
@@ -141,6 +141,13 @@ class MixtureReader:
             window = self.mixture.window(self.position, self.infinite) if keep else None
         self.position += 1
         return window
+
+    def read_rows(self, rows: range, end: int) -> list[Window]:
+        if self.readers:
+            return super().read_rows(rows, end)
+        windows = random_access_rows(self.mixture, rows, end, self.infinite)
+        self.position = end
+        return windows
 
     def cursor(self) -> dict[str, Any]:
         return {"sources": [r.cursor() for r in self.readers]} if self.readers else {}
