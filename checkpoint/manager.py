@@ -249,8 +249,34 @@ class CheckpointManager:
         t0 = time.perf_counter()
         if layout.get("format") == "huggingface":
             return self._load_hf(path, t0)
-        metadata = read_metadata(path)
         world = self.parallel_dims.world_size if self.parallel_dims is not None else 1
+        components = self._load_dcp(path, components, layout, world)
+        self._log(
+            logging.INFO,
+            "checkpoint: loaded %s (%s) step %s: %s in %.1f s; saved with %s, now %s",
+            path,
+            source,
+            layout.get("step"),
+            ", ".join(components),
+            time.perf_counter() - t0,
+            layout_info_text(layout),
+            layout_info_text(layout_info(self.parallel_dims)),
+        )
+        if "rng" in layout.get("contents", []) and layout.get("world_size") != world:
+            self._log(
+                logging.INFO,
+                "checkpoint: RNG states not restored (saved with world size %s, now %s); the "
+                "run's seeding stays in effect",
+                layout.get("world_size"),
+                world,
+            )
+        return True
+
+    def _load_dcp(self, path: str, components: list[str], layout: dict, world: int) -> list[str]:
+        """Reads `components` of a DCP checkpoint into this rank's objects (the RNG states only
+        at the world size that saved them), after checking that they fit; returns what it
+        read."""
+        metadata = read_metadata(path)
         if layout.get("world_size") != world or f"rng.rank{self.rank}" not in metadata:
             components = [c for c in components if c != "rng"]  # per-rank: same world only
         sd = self._state(components)
@@ -271,27 +297,7 @@ class CheckpointManager:
             apply_state(sd, rank=self.rank, **self.objects)
         except (ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"Loading {path} failed: {e}") from e
-        saved = layout_info_text(layout)
-        self._log(
-            logging.INFO,
-            "checkpoint: loaded %s (%s) step %s: %s in %.1f s; saved with %s, now %s",
-            path,
-            source,
-            layout.get("step"),
-            ", ".join(components),
-            time.perf_counter() - t0,
-            saved,
-            layout_info_text(layout_info(self.parallel_dims)),
-        )
-        if "rng" in layout.get("contents", []) and layout.get("world_size") != world:
-            self._log(
-                logging.INFO,
-                "checkpoint: RNG states not restored (saved with world size %s, now %s); the "
-                "run's seeding stays in effect",
-                layout.get("world_size"),
-                world,
-            )
-        return True
+        return components
 
     def _load_hf(self, path: str, t0: float) -> bool:
         """The weights only, from a Hugging Face folder, each rank reading its own slices."""

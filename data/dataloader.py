@@ -193,47 +193,28 @@ def build_dataloader(
     epoch's sequences in that seed's order (`data/shuffle.py`); sources without random access
     (streamed datasets) refuse it. `mixture`: `KIND:PATH:WEIGHT` entries blended by weight
     (`data/mixture.py`) instead of `dataset`/`dataset_path`; source i is shuffled with
-    `shuffle_seed + i`.
-
-    `dataset` is one of SUPPORTED_DATASETS; "megatron" reads pre-tokenised indexed datasets
-    (`dataset_path`: prefixes, .idx files, folders or globs, comma-separated). For "sample" `dataset_path` is ignored and `split`
-    ("train"/"validation") picks the part; for "huggingface" `split` is the HF split; for local
-    files it is ignored. `tokenizer` may be a Tokenizer or a tokenizer file path.
+    `shuffle_seed + i`. `dataset` is one of SUPPORTED_DATASETS; "megatron" reads pre-tokenised
+    indexed datasets (`dataset_path`: prefixes, .idx files, folders or globs, comma-separated).
+    For "sample" `dataset_path` is ignored and `split` ("train"/"validation") picks the part; for
+    "huggingface" `split` is the HF split; for local files it is ignored. `tokenizer` may be
+    a Tokenizer or a tokenizer file path.
 
     `stream_shards` > 1: a streamed training source in virtual shards (`sharded_stream`);
-    `gather_cursors` all-gathers a cursor over the data-parallel ranks (for its state).
-    """
-    for label, value, low in [("seq_len", seq_len, 1), ("local_batch_size", local_batch_size, 1)]:
-        if value < low:
-            raise ValueError(f"{label} must be >= {low}, got {value}")
-    if dp_degree < 1 or not 0 <= dp_rank < dp_degree:
-        raise ValueError(
-            f"need dp_degree >= 1 and 0 <= dp_rank < dp_degree, got {dp_rank=}, {dp_degree=}"
-        )
+    `gather_cursors` all-gathers a cursor over the data-parallel ranks (for its state)."""
+    _check_batch_shape(seq_len, local_batch_size, dp_rank, dp_degree)
     if isinstance(tokenizer, str):
         tokenizer = build_tokenizer(tokenizer)
-    build = functools.partial(
-        build_source,
-        tokenizer=tokenizer,
-        seq_len=seq_len,
-        split=split,
-        text_field=text_field,
-        cache_dir=cache_dir or default_cache_dir(),
-    )
     if stream_shards > 1:
-        if mixture or dataset != "huggingface" or not infinite:
-            raise ValueError(
-                "stream_shards > 1 splits a streamed training dataset (dataset = 'huggingface',"
-                " no mixture, infinite); this loader reads "
-                + ("a mixture" if mixture else f"{dataset!r}" + ("" if infinite else " once"))
-            )
+        _check_sharded_stream(dataset, mixture, infinite)
         source = sharded_stream(
             dataset_path, tokenizer, seq_len, split, text_field, stream_shards, dp_degree
         )
-    elif mixture:
-        source = _mixture(mixture, build, shuffle_seed)
     else:
-        source = _shuffle(build(dataset=dataset, dataset_path=dataset_path), shuffle_seed)
+        build = functools.partial(
+            build_source, tokenizer=tokenizer, seq_len=seq_len, split=split,
+            text_field=text_field, cache_dir=cache_dir or default_cache_dir(),
+        )  # fmt: skip
+        source = _source(build, dataset, dataset_path, mixture, shuffle_seed)
     _warn_of_loader_problems(source, infinite, local_batch_size, dp_degree)
     return DPDataLoader(
         source,
@@ -244,6 +225,32 @@ def build_dataloader(
         documents=documents,
         gather_cursors=gather_cursors,
     )
+
+
+def _check_batch_shape(seq_len: int, local_batch_size: int, dp_rank: int, dp_degree: int):
+    for label, value in [("seq_len", seq_len), ("local_batch_size", local_batch_size)]:
+        if value < 1:
+            raise ValueError(f"{label} must be >= 1, got {value}")
+    if dp_degree < 1 or not 0 <= dp_rank < dp_degree:
+        raise ValueError(
+            f"need dp_degree >= 1 and 0 <= dp_rank < dp_degree, got {dp_rank=}, {dp_degree=}"
+        )
+
+
+def _check_sharded_stream(dataset: str, mixture: list[str] | None, infinite: bool) -> None:
+    if mixture or dataset != "huggingface" or not infinite:
+        raise ValueError(
+            "stream_shards > 1 splits a streamed training dataset (dataset = 'huggingface',"
+            " no mixture, infinite); this loader reads "
+            + ("a mixture" if mixture else f"{dataset!r}" + ("" if infinite else " once"))
+        )
+
+
+def _source(build: Callable, dataset: str, path: str, mixture: list[str] | None, shuffle_seed):
+    """The mixture's blend, else the one dataset, each shuffled with `shuffle_seed` if given."""
+    if mixture:
+        return _mixture(mixture, build, shuffle_seed)
+    return _shuffle(build(dataset=dataset, dataset_path=path), shuffle_seed)
 
 
 def _mixture(mixture: list[str], build: Callable, shuffle_seed: int | None) -> MixtureSource:

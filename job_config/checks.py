@@ -15,6 +15,38 @@ def config_notes(cfg: JobConfig) -> list[str]:
     return list(cfg.provenance.notes)
 
 
+def _check_mixture(cfg: JobConfig, problems: Problems) -> set[str]:
+    """training.mixture and the validation it needs; returns the dataset kinds it names."""
+    from data.dataloader import SUPPORTED_DATASETS
+    from data.mixture import parse_mixture
+
+    t, kinds = cfg.training, set()
+    try:
+        kinds = {kind for kind, _, _ in parse_mixture(t.mixture)}
+    except ValueError as e:
+        problems.add(f"training.mixture: {e}.")
+    if not kinds <= set(SUPPORTED_DATASETS):
+        problems.add(
+            f"training.mixture names unknown dataset kinds {sorted(kinds - set(SUPPORTED_DATASETS))}"
+            f"; choose from {', '.join(SUPPORTED_DATASETS)}."
+        )
+    per_source = cfg.validation.per_source
+    if per_source and len(per_source) != len(t.mixture):
+        problems.add(
+            f"validation.per_source has {len(per_source)} entries for the "
+            f"{len(t.mixture)} sources of training.mixture: give one KIND:PATH per source."
+        )
+    bad = [e for e in per_source if e.partition(":")[0] not in SUPPORTED_DATASETS]
+    if bad or any(not e.partition(":")[2] for e in per_source):
+        problems.add(f"validation.per_source entries must be KIND:PATH, got {per_source}.")
+    if cfg.validation.enable and not cfg.validation.dataset:
+        problems.add(
+            "validation.enable with training.mixture needs validation.dataset (and its "
+            "dataset_path): a mixture has no one held-out split."
+        )
+    return kinds
+
+
 def _check_batch_and_data(cfg: JobConfig, problems: Problems) -> None:
     """The batch sizes, the training data and the validation data."""
     t = cfg.training
@@ -33,34 +65,7 @@ def _check_batch_and_data(cfg: JobConfig, problems: Problems) -> None:
             f"training.dataset = '{t.dataset}' needs training.dataset_path (a file, glob or "
             "folder, or the Hugging Face dataset name); or use dataset = 'sample'."
         )
-    kinds = {t.dataset}
-    if t.mixture:
-        from data.dataloader import SUPPORTED_DATASETS
-        from data.mixture import parse_mixture
-
-        try:
-            kinds = {kind for kind, _, _ in parse_mixture(t.mixture)}
-        except ValueError as e:
-            problems.add(f"training.mixture: {e}.")
-        if not kinds <= set(SUPPORTED_DATASETS):
-            problems.add(
-                f"training.mixture names unknown dataset kinds {sorted(kinds - set(SUPPORTED_DATASETS))}"
-                f"; choose from {', '.join(SUPPORTED_DATASETS)}."
-            )
-        per_source = cfg.validation.per_source
-        if per_source and len(per_source) != len(t.mixture):
-            problems.add(
-                f"validation.per_source has {len(per_source)} entries for the "
-                f"{len(t.mixture)} sources of training.mixture: give one KIND:PATH per source."
-            )
-        bad = [e for e in per_source if e.partition(":")[0] not in SUPPORTED_DATASETS]
-        if bad or any(not e.partition(":")[2] for e in per_source):
-            problems.add(f"validation.per_source entries must be KIND:PATH, got {per_source}.")
-        if cfg.validation.enable and not cfg.validation.dataset:
-            problems.add(
-                "validation.enable with training.mixture needs validation.dataset (and its "
-                "dataset_path): a mixture has no one held-out split."
-            )
+    kinds = _check_mixture(cfg, problems) if t.mixture else {t.dataset}
     if t.shuffle and "huggingface" in kinds:
         problems.add(
             "training.shuffle = true needs random access to the sequences, but training.dataset "

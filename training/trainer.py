@@ -390,14 +390,9 @@ def build_run(cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, local_r
     checkpointer = build_checkpointer(
         cfg, parallel_dims, model_parts, optimizer, lr_scheduler, train_loader, state
     )
+    split = sequence_split(cfg, parallel_dims, tokenizer)
     setup = build_step_setup(
-        cfg,
-        parallel_dims,
-        device,
-        built,
-        step_loss,
-        batches.tokens_per_rank_step,
-        sequence_split(cfg, parallel_dims, tokenizer),
+        cfg, parallel_dims, device, built, step_loss, batches.tokens_per_rank_step, split
     )
     routing = scaled_routing(cfg, model_parts, batches.tokens_per_rank_step)
     set_collective_timeout(cfg.comm.train_timeout_seconds)
