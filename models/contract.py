@@ -9,7 +9,7 @@ A family folder `models/<name>/` fulfils it (Llama 3, Qwen3 and Qwen3-MoE are th
   when some parameters are shared (called again after materialisation, which unties them);
 - `args` dataclass fields the framework reads (`ARGS_FIELDS`); the `[model]` shape overrides
   replace fields of that name; a mixture-of-experts family also `n_experts` and `top_k`;
-- `tp_plan(loss_parallel)`: its tensor-parallel plan (a `parallelisms.tensor_parallel.TPPlan`);
+- `tp_plan(loss_parallel)`: its tensor-parallel plan (a `models.tp_plan.TPPlan`);
   the generic decoder path (`parallelisms/decoder.py`) applies TP, activation checkpointing,
   compile and data parallelism, and cuts pipeline stages, from this data;
 - `validate(cfg, args) -> list[str]` (optional): what the family cannot run beyond the generic

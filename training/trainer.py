@@ -18,7 +18,7 @@ from data.sample_corpus import default_cache_dir
 from data.tokenizer import build_tokenizer
 from job_config import JobConfig
 from metrics import MetricsLogger, device_peak_flops, flops_per_token
-from metrics.layout_record import built_layout, summarize, write_layout
+from parallelisms.layout_record import built_layout, summarize, write_layout
 from metrics.memory import process_rss_gib
 from metrics.profiling import MemorySnapshot, PhaseTimer, Profiler
 from models import get_model_spec, model_args_for

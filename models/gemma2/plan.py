@@ -4,25 +4,16 @@
 
 from __future__ import annotations
 
-from torch.distributed.tensor.parallel import SequenceParallel
-
-from models.llama3.plan import llama_tp_plan
-from parallelisms.tensor_parallel import TPPlan
+from models.tp_plan import TPPlan, decoder_tp_plan
 
 
 def gemma2_tp_plan(loss_parallel: bool) -> TPPlan:
-    """Llama's Megatron-style plan (vocabulary-parallel embeddings and output, column-parallel
-    q/k/v and w1/w3, row-parallel wo and w2, the pre-norms on sequence shards), plus the
-    post-attention and post-MLP norms, also on sequence shards: they take wo's and w2's
-    reduce-scattered output and hand back a plain sequence shard for the residual sum (which
-    adds plain tensors, as Llama's block does). The embedding scale and the final soft-cap are
-    elementwise, so the embedding and output modules keep Llama's styles."""
-    plan = llama_tp_plan(loss_parallel)
-    post_norm = SequenceParallel(use_local_output=True)
-    block = dict(plan.block)
-    block["post_attention_norm"] = post_norm
-    block["post_ffn_norm"] = post_norm
-    return TPPlan(root=plan.root, block=block)
+    """The shared decoder's Megatron-style plan (vocabulary-parallel embeddings and output,
+    column-parallel q/k/v and w1/w3, row-parallel wo and w2, the pre-norms on sequence
+    shards), plus the post-attention and post-MLP norms, also on sequence shards. The
+    embedding scale and the final soft-cap are elementwise, so the embedding and output
+    modules keep the shared styles."""
+    return decoder_tp_plan(loss_parallel, post_norms=True)
 
 
 def gemma2_block_activation_bytes(args, s: int, b: int, t: int = 1) -> float:

@@ -4,28 +4,16 @@ saves (for the estimator). The generic decoder path (`parallelisms/decoder.py`) 
 
 from __future__ import annotations
 
-from torch.distributed.tensor.parallel import SequenceParallel
-
-from models.qwen3.plan import qwen3_tp_plan
-from parallelisms.tensor_parallel import TPPlan
+from models.tp_plan import TPPlan, decoder_tp_plan
 
 
 def gemma3_tp_plan(loss_parallel: bool) -> TPPlan:
-    """Qwen3's Megatron-style plan (vocabulary-parallel embeddings and tied output, column-
-    parallel q/k/v and w1/w3, row-parallel wo and w2, the per-head QK-norms local to each
-    rank's heads, the other norms on sequence shards), plus Gemma's post-attention and
-    post-MLP norms: they follow the row-parallel wo and w2, whose outputs are already
-    reduce-scattered to sequence shards, so they run on sequence shards too and return
-    plain tensors for the residual. The sqrt(dim)
-    embedding scale is a Python number applied inside the sharded lookup (linear in the
-    partial sums)."""
-    plan = qwen3_tp_plan(loss_parallel)
-    block = dict(plan.block)
-    # local outputs: the residual they join is this rank's plain sequence shard
-    post_norm = SequenceParallel(use_local_output=True)
-    block["post_attention_norm"] = post_norm
-    block["post_ffn_norm"] = post_norm
-    return TPPlan(root=plan.root, block=block)
+    """The shared decoder's Megatron-style plan (vocabulary-parallel embeddings and tied
+    output, column-parallel q/k/v and w1/w3, row-parallel wo and w2, the other norms on
+    sequence shards), with the per-head QK-norms local to each rank's heads and Gemma's
+    post-attention and post-MLP norms on sequence shards. The sqrt(dim) embedding scale is a
+    Python number applied inside the sharded lookup (linear in the partial sums)."""
+    return decoder_tp_plan(loss_parallel, qk_norms=True, post_norms=True)
 
 
 def gemma3_block_activation_bytes(args, s: int, b: int, t: int = 1) -> float:

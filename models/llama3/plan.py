@@ -4,56 +4,13 @@ and the activation bytes one block saves (for the estimator). The generic decode
 
 from __future__ import annotations
 
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-)
-
-from parallelisms.tensor_parallel import TPPlan
+from models.tp_plan import TPPlan, decoder_tp_plan
 
 
 def llama_tp_plan(loss_parallel: bool) -> TPPlan:
-    """Megatron-style TP with sequence parallelism. Token ids are replicated; each rank looks
-    up its vocabulary rows and the partial embeddings are reduce-scattered into sequence
-    shards. Inside a block the attention and feed-forward inputs are all-gathered along the
-    sequence, the input projections split by output features (each rank holds a slice of the
-    heads / hidden units) and the output projections by input features, whose partial sums are
-    reduce-scattered back to sequence shards; norms run on sequence shards. With
-    `loss_parallel` the logits stay vocabulary-sharded (Shard(-1)) for `loss_parallel()`."""
-    return TPPlan(
-        root={
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "output": ColwiseParallel(
-                input_layouts=Shard(1),
-                output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                use_local_output=not loss_parallel,
-            ),
-        },
-        block={
-            "attention_norm": SequenceParallel(),
-            # every rank needs all positions (the RoPE table and causal mask index the full
-            # sequence); `rope` and the mask are plain replicated tensors
-            "attention": PrepareModuleInput(
-                input_layouts=(Shard(1), None, None),
-                desired_input_layouts=(Replicate(), None, None),
-            ),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-            ),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w3": ColwiseParallel(),
-        },
-    )
+    """The shared decoder's Megatron-style plan with sequence parallelism, as it is
+    (`models.tp_plan.decoder_tp_plan`): Llama's blocks are the shared decoder blocks."""
+    return decoder_tp_plan(loss_parallel)
 
 
 def llama_block_activation_bytes(args, s: int, b: int, t: int = 1) -> float:

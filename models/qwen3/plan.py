@@ -4,24 +4,15 @@ estimator). The generic decoder path (`parallelisms/decoder.py`) applies them.""
 
 from __future__ import annotations
 
-from torch.distributed.tensor.parallel import SequenceParallel
-
-from models.llama3.plan import llama_tp_plan
-from parallelisms.tensor_parallel import TPPlan
+from models.tp_plan import TPPlan, decoder_tp_plan
 
 
 def qwen3_tp_plan(loss_parallel: bool) -> TPPlan:
-    """Llama's Megatron-style plan (vocabulary-parallel embeddings and output, column-parallel
-    q/k/v and w1/w3, row-parallel wo and w2, norms on sequence shards), plus the per-head
-    QK-norms: their input is this rank's heads ([batch, seq, heads, head_dim], sharded on
-    dim 2), each head normalised on its own, the weight replicated. The tied output weight is
-    Shard(0) like the embedding's, so the two stay one tensor under TP."""
-    plan = llama_tp_plan(loss_parallel)
-    head_norm = SequenceParallel(sequence_dim=2, use_local_output=True)
-    block = dict(plan.block)
-    block["attention.q_norm"] = head_norm
-    block["attention.k_norm"] = head_norm
-    return TPPlan(root=plan.root, block=block)
+    """The shared decoder's Megatron-style plan (vocabulary-parallel embeddings and output,
+    column-parallel q/k/v and w1/w3, row-parallel wo and w2, norms on sequence shards), plus
+    the per-head QK-norms, local to each rank's heads. The tied output weight is Shard(0)
+    like the embedding's, so the two stay one tensor under TP."""
+    return decoder_tp_plan(loss_parallel, qk_norms=True)
 
 
 def qwen3_block_activation_bytes(args, s: int, b: int, t: int = 1) -> float:

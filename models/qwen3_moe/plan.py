@@ -9,16 +9,16 @@ from __future__ import annotations
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
-from models.qwen3.plan import qwen3_tp_plan
-from parallelisms.tensor_parallel import ReplicateParallel, TPPlan
+from models.tp_plan import ReplicateParallel, TPPlan, decoder_tp_plan
 
 
 def qwen3_moe_tp_plan(loss_parallel: bool) -> TPPlan:
-    """Qwen3's plan for embeddings, attention and output. The MoE layer takes the whole
+    """The shared decoder's plan with Qwen3's per-head QK-norms for embeddings, attention and
+    output. The MoE layer takes the whole
     sequence (all-gathered, like the dense feed-forward's input) and returns it to sequence
     shards: every TP rank routes the same tokens with a replicated router, and runs the experts
     it holds (all of them, or its EP share) on them; no expert weight is split over TP."""
-    dense = qwen3_tp_plan(loss_parallel)
+    dense = decoder_tp_plan(loss_parallel, qk_norms=True)
     block = {k: v for k, v in dense.block.items() if not k.startswith("feed_forward")}
     block["moe"] = PrepareModuleInputOutput(
         input_layouts=(Shard(1),),

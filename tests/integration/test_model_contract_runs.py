@@ -19,8 +19,9 @@ def _tp_gap(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from models.qwen3.plan import qwen3_tp_plan
+    from models.tp_plan import TPPlan
     from parallelisms.parallel_dims import ParallelismError
-    from parallelisms.tensor_parallel import TPPlan, apply_tp
+    from parallelisms.tensor_parallel import apply_tp
 
     mesh = init_device_mesh("cpu", (world,))
     args = Qwen3Args(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=128,

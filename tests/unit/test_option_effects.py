@@ -42,7 +42,7 @@ from checkpoint.state import COMPONENTS
 from data.shuffle import permuted
 from job_config import JobConfig, parse_args
 from job_config.schema import config_sections
-from metrics.layout_record import _rank_view
+from parallelisms.layout_record import _rank_view
 from models import model_args_for
 from parallelisms.parallel_dims import ParallelDims
 from training.inputs import sequence_inputs
