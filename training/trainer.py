@@ -18,7 +18,6 @@ from data.sample_corpus import default_cache_dir
 from data.tokenizer import build_tokenizer
 from job_config import JobConfig
 from metrics import MetricsLogger, device_peak_flops, flops_per_token
-from parallelisms.layout_record import built_layout, summarize, write_layout
 from metrics.memory import process_rss_gib
 from metrics.profiling import MemorySnapshot, PhaseTimer, Profiler
 from models import get_model_spec, model_args_for
@@ -27,6 +26,7 @@ from models.mixed_precision import in_weight_dtype, mixed_precision_dtypes, weig
 from parallelisms.compile import key_compile_caches_to_rank, maybe_compile_loss
 from parallelisms.context_parallel import apply_context_parallel
 from parallelisms.decoder import parallelize_decoder, pipeline_decoder
+from parallelisms.layout_record import built_layout, summarize, write_layout
 from parallelisms.parallel_dims import ParallelDims, log_mesh
 from planning.memory import layer_attention_specs
 from training.distributed import (

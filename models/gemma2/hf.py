@@ -1,7 +1,7 @@
 """Gemma 2 <-> Hugging Face `Gemma2ForCausalLM`: parameter names and config.json fields.
 
 HF's Gemma 2 rotates the two halves of each head (rotate-half RoPE), as this model does, so
-the weights are only renamed (with Qwen3's helpers, models/qwen3/hf.py). Mind the names: HF's
+the weights are only renamed (the shared helpers, models/hf_names.py). Mind the names: HF's
 `post_attention_layernorm` is the norm *after* attention (ours `post_attention_norm`), not the
 pre-MLP norm it is in Llama and Qwen3 (that one is `pre_feedforward_layernorm`, ours
 `ffn_norm`). The (1 + weight) norms are stored as HF stores them (the weight, without the 1).
@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from models.contract import HFTensor
+from models import hf_names
 from models.gemma2.model import Gemma2Args
-from models.qwen3 import hf as qwen3_hf
 
 # Inside block i: layers.{i}.<ours> <-> model.layers.{i}.<HF>
 _BLOCK = {
@@ -29,30 +28,12 @@ _BLOCK = {
     "feed_forward.w3.weight": "mlp.up_proj.weight",
     "post_ffn_norm.weight": "post_feedforward_layernorm.weight",
 }
-_BLOCK_BACK = {v: k for k, v in _BLOCK.items()}
 ACTIVATION = "gelu_pytorch_tanh"  # gelu with the tanh approximation
 
 
-def to_hf_name(name: str) -> str:
-    return qwen3_hf.to_hf_name(name, _BLOCK)
-
-
-def from_hf_name(name: str) -> str:
-    return qwen3_hf.from_hf_name(name, _BLOCK_BACK)
-
-
-def hf_tensor(name: str, args) -> HFTensor:
-    return qwen3_hf.hf_tensor(name, args, _BLOCK)
-
-
-def to_hf(sd: dict[str, torch.Tensor], args: Gemma2Args) -> dict[str, torch.Tensor]:
-    """Our full state dict -> Hugging Face tensors (renamed only)."""
-    return {to_hf_name(name): t for name, t in sd.items()}
-
-
-def from_hf(hf: dict[str, torch.Tensor], args: Gemma2Args) -> dict[str, torch.Tensor]:
-    """Hugging Face tensors -> ours; the tied output weight is the embedding matrix."""
-    return qwen3_hf.from_hf(hf, args, _BLOCK_BACK)
+_NAMES = hf_names.Renaming(_BLOCK)
+to_hf_name, from_hf_name, hf_tensor = _NAMES.to_hf_name, _NAMES.from_hf_name, _NAMES.hf_tensor
+to_hf, from_hf = _NAMES.to_hf, _NAMES.from_hf
 
 
 def layer_types(args: Gemma2Args) -> list[str]:
@@ -66,7 +47,7 @@ def hf_config(args: Gemma2Args) -> dict:
     return {
         "architectures": ["Gemma2ForCausalLM"],
         "model_type": "gemma2",
-        **qwen3_hf.attention_config(args),
+        **hf_names.attention_config(args),
         "intermediate_size": args.ffn_dim,
         "query_pre_attn_scalar": args.query_pre_attn_scalar,
         "attn_logit_softcapping": args.attn_softcap,
@@ -108,7 +89,7 @@ def _problems(config: dict, args: Gemma2Args) -> list[str]:
 
 
 def args_from_hf_config(config: dict) -> Gemma2Args:
-    shape = qwen3_hf.attention_args(config)  # the fields Qwen3 reads; Gemma's defaults where
+    shape = hf_names.attention_args(config)  # the fields Qwen3 reads; Gemma's defaults where
     shape["tie_embeddings"] = config.get("tie_word_embeddings", True)  # config.json has none
     if not (config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta")):
         shape["rope_theta"] = Gemma2Args.rope_theta
@@ -120,5 +101,5 @@ def args_from_hf_config(config: dict) -> Gemma2Args:
         final_softcap=config.get("final_logit_softcapping"),
         sliding_window=config.get("sliding_window"),
     )
-    qwen3_hf.refuse(_problems(config, args))
+    hf_names.refuse(_problems(config, args))
     return args

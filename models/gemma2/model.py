@@ -12,7 +12,7 @@ What differs from Llama 3 / Qwen3 (Hugging Face `Gemma2ForCausalLM` is the refer
 - a GeGLU MLP (gelu with the tanh approximation);
 - token embeddings multiplied by sqrt(dim), rounded to the embeddings' dtype first (as HF);
 - the output projection tied to the embeddings, its logits soft-capped (30);
-- rotate-half RoPE, theta 10000 (Qwen3's table and rotation).
+- rotate-half RoPE, theta 10000 (the shared table and rotation, models/decoder_shape.py).
 
 The embedding scale and the final soft-cap live in the embedding and output modules, so the
 shared decoder shell (models/blocks.py) runs the model unchanged.
@@ -30,13 +30,13 @@ from torch import nn
 
 from models.attention import AttentionBatch, AttentionSpec
 from models.blocks import Decoder, FeedForward, GroupedQueryAttention
+from models.decoder_shape import DecoderShape, apply_rope, rope_table
 from models.numerics import at_least_float32
-from models.qwen3.model import Qwen3Shape, apply_rope, rope_table
 
 
 @dataclass
-class Gemma2Args(Qwen3Shape):
-    """Qwen3's attention shape fields (and shape checks), with Gemma 2's defaults, plus its
+class Gemma2Args(DecoderShape):
+    """The shared decoder shape's fields (and shape checks), with Gemma 2's defaults, plus its
     own: the GeGLU width, the softmax scale, the soft-caps and the sliding window."""
 
     dim: int = 2304

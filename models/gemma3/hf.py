@@ -3,8 +3,8 @@ names and config.json fields.
 
 The weights need no change: Hugging Face's Gemma 3 rotates the two halves of each head, as this
 model does, and keeps the norms' zero-centred weights (the norm multiplies by 1 + weight) as
-this model does. Only the names differ; the name helpers are Qwen3's (`models/qwen3/hf.py`)
-with Gemma's block names. The published 4B, 12B and 27B checkpoints are the multimodal
+this model does. Only the names differ; the name helpers are the shared ones
+(`models/hf_names.py`) with Gemma's block names. The published 4B, 12B and 27B checkpoints are the multimodal
 `Gemma3ForConditionalGeneration` (model_type "gemma3"); their text part is read here as a
 `Gemma3ForCausalLM` checkpoint once extracted (config.json's `text_config`, tensors without the
 `language_model` prefix), which this adapter does not do itself.
@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from models.contract import HFTensor
+from models import hf_names
 from models.gemma3.model import Gemma3Args
-from models.qwen3 import hf as qwen3_hf
 
 # Inside block i: layers.{i}.<ours> <-> model.layers.{i}.<HF>
 _BLOCK = {
-    **qwen3_hf.ATTENTION,  # q/k/v/o, the QK-norms and input_layernorm as Qwen3's
+    **hf_names.ATTENTION,  # q/k/v/o, the QK-norms and input_layernorm as Qwen3's
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_ffn_norm.weight": "post_feedforward_layernorm.weight",
@@ -28,31 +27,13 @@ _BLOCK = {
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
 }
-_BLOCK_BACK = {v: k for k, v in _BLOCK.items()}
 ACTIVATION = "gelu_pytorch_tanh"
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
-def to_hf_name(name: str) -> str:
-    return qwen3_hf.to_hf_name(name, _BLOCK)
-
-
-def from_hf_name(name: str) -> str:
-    return qwen3_hf.from_hf_name(name, _BLOCK_BACK)
-
-
-def hf_tensor(name: str, args) -> HFTensor:
-    return qwen3_hf.hf_tensor(name, args, _BLOCK)
-
-
-def to_hf(sd: dict[str, torch.Tensor], args: Gemma3Args) -> dict[str, torch.Tensor]:
-    """Our full state dict -> Hugging Face tensors (renamed only)."""
-    return {to_hf_name(name): t for name, t in sd.items()}
-
-
-def from_hf(hf: dict[str, torch.Tensor], args: Gemma3Args) -> dict[str, torch.Tensor]:
-    """Hugging Face tensors -> ours; the tied output weight is the embedding matrix."""
-    return qwen3_hf.from_hf(hf, args, _BLOCK_BACK)
+_NAMES = hf_names.Renaming(_BLOCK)
+to_hf_name, from_hf_name, hf_tensor = _NAMES.to_hf_name, _NAMES.from_hf_name, _NAMES.hf_tensor
+to_hf, from_hf = _NAMES.to_hf, _NAMES.from_hf
 
 
 def layer_types(args: Gemma3Args) -> list[str]:

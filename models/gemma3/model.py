@@ -30,15 +30,15 @@ from torch import nn
 
 from models.attention import AttentionSpec
 from models.blocks import Decoder, FeedForward, GroupedQueryAttention
+from models.decoder_shape import DecoderShape, apply_rope
 from models.numerics import at_least_float32
-from models.qwen3.model import Qwen3Shape, apply_rope
 
 LOCAL, GLOBAL = 0, 1  # the rows of the stacked RoPE table
 
 
 @dataclass
-class Gemma3Args(Qwen3Shape):
-    """Qwen3's attention shape fields and checks (`dim` ... `max_seq_len`; `rope_theta` is the
+class Gemma3Args(DecoderShape):
+    """The shared decoder shape's fields and checks (`dim` ... `max_seq_len`; `rope_theta` is the
     global layers' base) with the published 12B's defaults, and Gemma's own fields."""
 
     dim: int = 3840

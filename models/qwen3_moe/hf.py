@@ -1,6 +1,6 @@
 """Qwen3-MoE <-> Hugging Face `Qwen3MoeForCausalLM`: parameter names and config.json fields.
 
-Attention, norms and embeddings are named as the dense Qwen3's (`models/qwen3/hf.py`). The
+Attention, norms and embeddings are named as the dense Qwen3's (`models/hf_names.py`). The
 experts are written in the on-disk format of the published checkpoints, one linear per expert
 and projection: `model.layers.{i}.mlp.experts.{j}.gate_proj.weight` (our `w1[j]`), `up_proj`
 (`w3[j]`), `down_proj` (`w2[j]`), and the router as `model.layers.{i}.mlp.gate.weight`.
@@ -20,11 +20,11 @@ import warnings
 
 import torch
 
+from models import hf_names
 from models.contract import HFTensor
-from models.qwen3 import hf as qwen3_hf
 from models.qwen3_moe.model import Qwen3MoEArgs
 
-_BLOCK = {**qwen3_hf.ATTENTION, "moe.router.weight": "mlp.gate.weight"}
+_BLOCK = {**hf_names.ATTENTION, "moe.router.weight": "mlp.gate.weight"}
 _BLOCK_BACK = {v: k for k, v in _BLOCK.items()}
 _EXPERT = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}  # ours -> HF projection
 _EXPERT_BACK = {v: k for k, v in _EXPERT.items()}
@@ -40,7 +40,7 @@ def hf_tensor(name: str, args: Qwen3MoEArgs) -> HFTensor:
     the balancing bias nowhere (zero on import), the rest renamed as Qwen3's."""
     m = _OURS_MOE.fullmatch(name)
     if m is None:
-        return qwen3_hf.hf_tensor(name, args, _BLOCK)
+        return hf_names.hf_tensor(name, args, _BLOCK)
     if m.group(2) == "expert_bias":
         return HFTensor(())
     proj = _EXPERT[m.group(2)[-2:]]
@@ -57,7 +57,7 @@ def to_hf(sd: dict[str, torch.Tensor], args: Qwen3MoEArgs) -> dict[str, torch.Te
     for name, t in sd.items():
         m = _OURS_MOE.fullmatch(name)
         if m is None:
-            out[qwen3_hf.to_hf_name(name, _BLOCK)] = t
+            out[hf_names.to_hf_name(name, _BLOCK)] = t
         elif m.group(2) == "expert_bias":
             if t.any():
                 biased.append(m.group(1))
@@ -95,7 +95,7 @@ def from_hf(hf: dict[str, torch.Tensor], args: Qwen3MoEArgs) -> dict[str, torch.
         out[f"layers.{layer}.moe.experts.{_EXPERT_BACK[proj]}"] = stack_experts(
             experts, args.n_experts, f"layer {layer} {proj}"
         )
-    out.update(qwen3_hf.from_hf(rest, args, _BLOCK_BACK))
+    out.update(hf_names.from_hf(rest, args, _BLOCK_BACK))
     for i in range(args.n_layers):
         out[f"layers.{i}.moe.expert_bias"] = torch.zeros(args.n_experts)
     return out
@@ -122,9 +122,9 @@ def unfuse_experts(layer: str, name: str, t: torch.Tensor, hidden: int) -> dict:
 # ---------------------------------------------------------------------------- config.json
 def args_from_hf_config(config: dict) -> Qwen3MoEArgs:
     """Qwen3MoEArgs of a `Qwen3MoeForCausalLM` config.json; refuses what this model lacks."""
-    qwen3_hf.refuse(qwen3_hf.attention_problems(config) + moe_problems(config))
+    hf_names.refuse(hf_names.attention_problems(config) + moe_problems(config))
     return Qwen3MoEArgs(
-        **qwen3_hf.attention_args(config),
+        **hf_names.attention_args(config),
         n_experts=config.get("num_experts", config.get("num_local_experts", 0)),
         top_k=config["num_experts_per_tok"],
         moe_ffn_dim=config["moe_intermediate_size"],
@@ -148,7 +148,7 @@ def hf_config(args: Qwen3MoEArgs) -> dict:
     return {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
-        **qwen3_hf.attention_config(args),
+        **hf_names.attention_config(args),
         "num_experts": args.n_experts,  # the published configs' key (transformers 5 writes
         "num_experts_per_tok": args.top_k,  # num_local_experts, and reads both)
         "moe_intermediate_size": args.moe_ffn_dim,

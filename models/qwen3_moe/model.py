@@ -1,7 +1,7 @@
 """Qwen3-MoE in plain PyTorch: no parallelism, no trainer imports.
 
-Attention is Qwen3's (QK-norm, explicit head_dim, rotate-half RoPE); every block's
-feed-forward is a mixture of experts (`MoE`): a linear router over E SwiGLU experts,
+Attention is Qwen3's (QK-norm, explicit head_dim, rotate-half RoPE: models/decoder_shape.py);
+every block's feed-forward is a mixture of experts (`MoE`): a linear router over E SwiGLU experts,
 token-choice top-k on the softmax scores, the k weights renormalised to sum to one
 (`norm_topk_prob`, as the published Qwen3-MoE models), and **dropless**: every token reaches
 its k experts, there is no capacity factor, so the result of a token never depends on which
@@ -38,12 +38,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.blocks import PreNormBlock
+from models.decoder_shape import DecoderShape, QKNormAttention, ShapedDecoder
 from models.numerics import at_least_float32
-from models.qwen3.model import Attention, Qwen3, Qwen3Shape
 
 
 @dataclass
-class Qwen3MoEArgs(Qwen3Shape):
+class Qwen3MoEArgs(DecoderShape):
     dim: int = 2048
     n_layers: int = 48
     n_heads: int = 32
@@ -231,11 +231,12 @@ class Block(PreNormBlock):
     mlp_name = "moe"
 
     def __init__(self, args: Qwen3MoEArgs):
-        super().__init__(Attention(args), MoE(args), args.dim, args.norm_eps)
+        super().__init__(QKNormAttention(args), MoE(args), args.dim, args.norm_eps)
 
 
-class Qwen3MoE(Qwen3):
-    """Qwen3 with an MoE block: embeddings, norms, output, RoPE and tying as Qwen3's."""
+class Qwen3MoE(ShapedDecoder):
+    """Qwen3's decoder with an MoE block: embeddings, norms, output, RoPE, tying and
+    initialisation as Qwen3's (the shared `ShapedDecoder`)."""
 
     block_cls = Block
 

@@ -103,8 +103,8 @@ MUTANTS = [
         "dp_offset_off_by_one",
         "data-parallel slice offset off by one (ranks 0 and 1 read the same sequences)",
         "data/dataloader.py",
-        "mine = range(start + self.dp_rank, start + size, self.dp_degree)",
-        "mine = range(start + max(self.dp_rank - 1, 0), start + size, self.dp_degree)",
+        "range(start + self.dp_rank, start + size, self.dp_degree), start + size",
+        "range(start + max(self.dp_rank - 1, 0), start + size, self.dp_degree), start + size",
         ("tests/unit/test_data_loader.py::test_rank_slices_partition_global_batch",),
     ),
     Mutant(
@@ -142,11 +142,11 @@ MUTANTS = [
     ),
     Mutant(
         "streamed_dp_offset_off_by_one",
-        "streamed source: the data-parallel slice offset off by one (ranks 0 and 1 keep the"
-        " same rows of the global batch)",
-        "data/dataloader.py",
-        "keep=k % self.dp_degree == self.dp_rank",
-        "keep=k % self.dp_degree == max(self.dp_rank - 1, 0)",
+        "streamed source: walking the stream keeps the row before each of this rank's rows"
+        " (ranks read their neighbours' sequences)",
+        "data/dataset.py",
+        "window = self.advance(keep=self.position in rows)",
+        "window = self.advance(keep=self.position + 1 in rows)",
         ("tests/unit/test_data_loader.py::test_huggingface_stream_matches_packed_files",),
     ),
     Mutant(
@@ -535,10 +535,10 @@ MUTANTS = [
     ),
     Mutant(
         "gemma2_post_norm_not_in_tp_plan",
-        "Gemma 2: the post-MLP norm left out of the tensor-parallel plan",
-        "models/gemma2/plan.py",
-        '    block["post_ffn_norm"] = post_norm\n',
-        "",
+        "Gemma 2 (and 3): the post-MLP norm left out of the shared decoder's tensor-parallel plan",
+        "models/tp_plan.py",
+        'block |= {"post_attention_norm": post_norm, "post_ffn_norm": post_norm}',
+        'block |= {"post_attention_norm": post_norm}',
         (f"{FP64_PARITY}[gemma2_tp2]",),
     ),
     Mutant(

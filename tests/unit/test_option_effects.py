@@ -42,8 +42,8 @@ from checkpoint.state import COMPONENTS
 from data.shuffle import permuted
 from job_config import JobConfig, parse_args
 from job_config.schema import config_sections
-from parallelisms.layout_record import _rank_view
 from models import model_args_for
+from parallelisms.layout_record import _rank_view
 from parallelisms.parallel_dims import ParallelDims
 from training.inputs import sequence_inputs
 from training.launch import prepare
