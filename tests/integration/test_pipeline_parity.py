@@ -47,11 +47,10 @@ EIGHT_LAYERS = ["--model.n_layers", "8"]
 DEEP_FP32 = dataclasses.replace(FP32, weights=1e-3)
 
 
-# Validation batches per evaluation (`--validation.steps`): runs with a smaller local batch take
-# more of them, so every run validates on the same 16 sequences as the reference (2 batches
-# of 8). Local batch 8 unless set; microbatch sizes vary the number of microbatches (2, 4 or
-# 8) per schedule step. Reference: the one-process run of the same depth ("reference": 4
-# layers).
+# Every run validates on the same 16 sequences as the reference (`--validation.steps` 2 global
+# batches of 8, however a run splits them into local and micro-batches). Local batch 8 unless
+# set; microbatch sizes vary the number of microbatches (2, 4 or 8) per schedule step.
+# Reference: the one-process run of the same depth ("reference": 4 layers).
 # fmt: off
 LAYOUTS = table(
     # single-stage schedules: 1 stage of 2 layers per rank
@@ -70,12 +69,12 @@ LAYOUTS = table(
     # second, so the compiled backward must not donate its buffers (build_schedule)
     Layout("pp2_zbv_compile", 2, ("--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=ZBVZeroBubble", "--parallelism.pipeline_parallel_microbatch_size=2", "--compile.enable=true")),
     # gradient accumulation (4 schedule steps per optimizer step) and an uneven explicit split
-    Layout("pp2_1f1b_accum_split", 2, ("--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=1", "--training.local_batch_size=2", "--training.global_batch_size=8", '--parallelism.pipeline_parallel_split_points=["layers.1"]', "--validation.steps=8")),
+    Layout("pp2_1f1b_accum_split", 2, ("--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=1", "--training.local_batch_size=2", "--training.global_batch_size=8", '--parallelism.pipeline_parallel_split_points=["layers.1"]')),
     # PP x ZeRO-1 with accumulation (2 steps) under split backward: the weight pass fires no
     # gradient hook, so the step reduces what it left (training/step.py)
-    Layout("pp2_zero1_interleaved_zb_accum", 4, ("--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=InterleavedZeroBubble", "--parallelism.pipeline_parallel_microbatch_size=1", "--training.local_batch_size=2", "--training.global_batch_size=8", "--validation.steps=4", "--parallelism.zero_stage=1")),
+    Layout("pp2_zero1_interleaved_zb_accum", 4, ("--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=InterleavedZeroBubble", "--parallelism.pipeline_parallel_microbatch_size=1", "--training.local_batch_size=2", "--training.global_batch_size=8", "--parallelism.zero_stage=1")),
     # PP x FSDP with accumulation (2 steps); the pipeline runtime drives FSDP's reduction
-    Layout("pp2_fsdp2_zbv_accum", 4, ("--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=ZBVZeroBubble", "--parallelism.pipeline_parallel_microbatch_size=1", "--training.local_batch_size=2", "--training.global_batch_size=8", "--validation.steps=4")),
+    Layout("pp2_fsdp2_zbv_accum", 4, ("--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=ZBVZeroBubble", "--parallelism.pipeline_parallel_microbatch_size=1", "--training.local_batch_size=2", "--training.global_batch_size=8")),
     # 3-D: PP 2 x FSDP 2 x TP 2 (loss parallel on the last stage), looped (V-shaped schedules
     # with FSDP are the ZBV run above; a V-shaped 3-D run would add 8 more processes)
     Layout("pp2_fsdp2_tp2_interleaved_1f1b", 8, ("--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=Interleaved1F1B", "--parallelism.pipeline_parallel_microbatch_size=2", "--training.local_batch_size=4", "--parallelism.tensor_parallel_degree=2")),
