@@ -45,6 +45,7 @@ import numpy as np
 
 from data.cache import build_once
 from data.indexed import TokenStream, open_indexed, token_dtype, write_indexed
+from data.readers import WalkingReader, random_access_rows
 from data.shuffle import permuted
 from data.tokenizer import Tokenizer
 
@@ -81,29 +82,6 @@ class SequenceReader(Protocol):
     def cursor(self) -> dict[str, Any]:
         """Source-specific resume information for `position` (identical on all ranks)."""
         ...
-
-
-class WalkingReader:
-    """`read_rows` for a reader that reaches a row only by walking past those before it."""
-
-    position: int
-
-    def read_rows(self, rows: range, end: int) -> list[Window]:
-        windows = []
-        while self.position < end:
-            window = self.advance(keep=self.position in rows)
-            if window is not None:
-                windows.append(window)
-        return windows
-
-
-def random_access_rows(source: Any, rows: range, end: int, infinite: bool) -> list[Window]:
-    """`rows` by `source.window(g)` alone (a random-access source: a rank reads only its
-    own rows); a finite pass first checks that its global batch ends inside epoch 0 (the
-    last incomplete one is dropped)."""
-    if not infinite:
-        source.window(end - 1, False)
-    return [source.window(g, infinite) for g in rows]
 
 
 class SequenceSource(Protocol):

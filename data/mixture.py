@@ -25,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from data.dataset import SequenceSource, WalkingReader, Window, random_access_rows
+from data.dataset import SequenceSource, Window
+from data.readers import WalkingReader, random_access_rows
 
 
 def parse_mixture(entries: list[str]) -> list[tuple[str, str, float]]:

@@ -144,7 +144,7 @@ MUTANTS = [
         "streamed_dp_offset_off_by_one",
         "streamed source: walking the stream keeps the row before each of this rank's rows"
         " (ranks read their neighbours' sequences)",
-        "data/dataset.py",
+        "data/readers.py",
         "window = self.advance(keep=self.position in rows)",
         "window = self.advance(keep=self.position + 1 in rows)",
         ("tests/unit/test_data_loader.py::test_huggingface_stream_matches_packed_files",),
