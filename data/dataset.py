@@ -257,13 +257,11 @@ class PositionReader:
     """Walks the global stream of a random-access source (`window(g)`): the position is all
     its state."""
 
-    def read_rows(self, rows: range, end: int) -> list[Window]:
-        windows = random_access_rows(self.source, rows, end, self.infinite)
-        self.position = end
-        return windows
-
     def __init__(self, source: Any, position: int, infinite: bool) -> None:
         self.source, self.position, self.infinite = source, position, infinite
+
+    def read_rows(self, rows: range, end: int) -> list[Window]:
+        return random_access_rows(self, self.source, rows, end)
 
     def advance(self, keep: bool) -> Window | None:
         """Move past global sequence `position`; raise EndOfEpoch after epoch 0 if finite."""

@@ -146,9 +146,7 @@ class MixtureReader(WalkingReader):
     def read_rows(self, rows: range, end: int) -> list[Window]:
         if self.readers:
             return super().read_rows(rows, end)
-        windows = random_access_rows(self.mixture, rows, end, self.infinite)
-        self.position = end
-        return windows
+        return random_access_rows(self, self.mixture, rows, end)
 
     def cursor(self) -> dict[str, Any]:
         return {"sources": [r.cursor() for r in self.readers]} if self.readers else {}

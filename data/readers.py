@@ -24,10 +24,13 @@ class WalkingReader:
         return windows
 
 
-def random_access_rows(source: Any, rows: range, end: int, infinite: bool) -> list[Window]:
+def random_access_rows(reader: Any, source: Any, rows: range, end: int) -> list[Window]:
     """`rows` by `source.window(g)` alone (a random-access source: a rank reads only its
-    own rows); a finite pass first checks that its global batch ends inside epoch 0 (the
-    last incomplete one is dropped)."""
-    if not infinite:
+    own rows), then `reader.position` is `end`; a finite pass (`reader.infinite` false)
+    first checks that its global batch ends inside epoch 0 (the last incomplete one is
+    dropped)."""
+    if not reader.infinite:
         source.window(end - 1, False)
-    return [source.window(g, infinite) for g in rows]
+    windows = [source.window(g, reader.infinite) for g in rows]
+    reader.position = end
+    return windows
