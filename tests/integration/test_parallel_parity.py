@@ -70,8 +70,9 @@ LAYOUTS = table(
     Layout("tp2_zero1", 4, ("--parallelism.zero_stage=1", "--parallelism.tensor_parallel_degree=2", "--training.local_batch_size=4")),
     Layout("tp2_zero2_accum", 4, ("--parallelism.zero_stage=2", "--parallelism.tensor_parallel_degree=2", "--training.local_batch_size=2", "--training.global_batch_size=8")),
     Layout("fsdp2_offload_accum", 2, ("--training.local_batch_size=2", "--training.global_batch_size=8", "--training.enable_cpu_offload=true")),
-    # Compile: TP 2 first, then TP 2 x FSDP 2, which finds the block graphs in the inductor
-    # cache instead of running gcc again on every rank at once.
+    # Compile: TP 2 first, then TP 2 x FSDP 2, which finds the compiled kernels (keyed by their
+    # source) in the suite's inductor cache instead of running g++ again on every rank at once
+    # (its graphs are its own: keyed by rank and process groups).
     Layout("tp2_compile_ac_op", 2, ("--parallelism.tensor_parallel_degree=2", "--compile.enable=true", "--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op")),
     # AC modes that recompute attention in backward (the flagship presets' TP + compile +
     # full AC): the compiled block saves the CPU RNG state beside its DeviceMesh
