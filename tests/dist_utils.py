@@ -190,10 +190,30 @@ def stop_run(proc: subprocess.Popen | _ForkedRun) -> None:
     proc.wait()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous_port() -> int:
+    """A free port for a run's MASTER_PORT, below the kernel's ephemeral range.
+
+    A port the kernel hands out for `bind(0)` is free only until something else takes it:
+    the rank that binds it for the TCPStore a moment later can find it taken by a connection
+    of a concurrent run (gloo opens hundreds, from that same ephemeral range), and its peers
+    then meet a stranger (seen once in CI: `TCPStore::ping` failed in a 4-rank run). Ports
+    below the range are never given to connections; the search starts at a place set by this
+    process's pid, so concurrent launchers try different ports first."""
+    try:
+        first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        first_ephemeral = 32768  # Linux's default
+    low = 10000
+    span = max(first_ephemeral - low, 1000)
+    for i in range(span):
+        port = low + (os.getpid() * 7 + i) % span
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {low}..{low + span}")
 
 
 def _spawned(rank: int, fn, world: int, port: int, args: tuple) -> None:
@@ -222,5 +242,5 @@ def spawn(fn, world: int, *args) -> None:
     `fn` must be a module-level function. Raises if any rank fails."""
     import torch.multiprocessing as mp
 
-    mp.start_processes(_spawned, args=(fn, world, _free_port(), args), nprocs=world,
+    mp.start_processes(_spawned, args=(fn, world, rendezvous_port(), args), nprocs=world,
                        start_method="spawn")  # fmt: skip

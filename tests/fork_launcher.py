@@ -25,7 +25,6 @@ import faulthandler
 import json
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -36,6 +35,7 @@ import torch._dynamo  # noqa: F401  (deterministic mode and compile import it)
 import torch._inductor.config  # noqa: F401
 import torch.distributed.checkpoint  # noqa: F401
 import torch.distributed.pipelining  # noqa: F401
+from dist_utils import rendezvous_port
 
 import training.loop  # noqa: F401
 import training.trainer  # noqa: F401
@@ -43,12 +43,6 @@ from checkpoint import manager  # noqa: F401
 from training.launch import run
 
 GRACE_S = 30  # after one rank fails, how long the others get before they are killed
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(argv: list[str], env: dict[str, str], log: int) -> None:
@@ -84,7 +78,7 @@ def _supervise(request: dict) -> None:
     log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     base = dict(request["env"])
     if nproc > 1:  # what torchrun --standalone gives its workers
-        base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+        base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(rendezvous_port()),
                     WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0",
                     ROLE_WORLD_SIZE=str(nproc), TORCHELASTIC_RUN_ID="fork_launcher")  # fmt: skip
     pids = {}
