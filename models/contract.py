@@ -70,6 +70,14 @@ class HFAdapter:
     # whole-dict functions above must agree with it (tests/unit/test_hf_stream.py checks)
     tensor: Callable[[str, Any], HFTensor] | None = None
 
+    @classmethod
+    def of(cls, model_type: str, hf_module) -> HFAdapter:
+        """The adapter of a family's hf module whose functions have the shared decoder
+        families' names: args_from_hf_config, config_with_dtype, to_hf, from_hf, hf_tensor."""
+        m = hf_module
+        return cls(model_type, m.args_from_hf_config, m.config_with_dtype, m.to_hf, m.from_hf,
+                   tensor=m.hf_tensor)  # fmt: skip
+
 
 @dataclass(frozen=True)
 class RoutingHooks:

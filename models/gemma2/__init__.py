@@ -13,48 +13,28 @@ from models.gemma2 import hf
 from models.gemma2.model import Gemma2, Gemma2Args
 from models.gemma2.plan import gemma2_block_activation_bytes, gemma2_tp_plan
 
+# fmt: off
 flavors = {
     # a window (12) shorter than the tests' sequences (32, 64) and not a divisor of their
     # blocks; query_pre_attn_scalar (32) != head_dim (64), so the scale is Gemma's own
     "debugmodel": Gemma2Args(
-        dim=256,
-        n_layers=4,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=64,
-        ffn_dim=512,
-        vocab_size=4096,
-        query_pre_attn_scalar=32,
-        sliding_window=12,
-    ),  # fmt: skip
+        dim=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=512,
+        vocab_size=4096, query_pre_attn_scalar=32, sliding_window=12,
+    ),
     "2B": Gemma2Args(
-        dim=2304,
-        n_layers=26,
-        n_heads=8,
-        n_kv_heads=4,
-        head_dim=256,
-        ffn_dim=9216,
+        dim=2304, n_layers=26, n_heads=8, n_kv_heads=4, head_dim=256, ffn_dim=9216,
         query_pre_attn_scalar=256,
-    ),  # fmt: skip
+    ),
     "9B": Gemma2Args(
-        dim=3584,
-        n_layers=42,
-        n_heads=16,
-        n_kv_heads=8,
-        head_dim=256,
-        ffn_dim=14336,
+        dim=3584, n_layers=42, n_heads=16, n_kv_heads=8, head_dim=256, ffn_dim=14336,
         query_pre_attn_scalar=256,
-    ),  # fmt: skip
+    ),
     "27B": Gemma2Args(
-        dim=4608,
-        n_layers=46,
-        n_heads=32,
-        n_kv_heads=16,
-        head_dim=128,
-        ffn_dim=36864,
+        dim=4608, n_layers=46, n_heads=32, n_kv_heads=16, head_dim=128, ffn_dim=36864,
         query_pre_attn_scalar=144,
-    ),  # fmt: skip
+    ),
 }
+# fmt: on
 
 
 SPEC = register(
@@ -64,14 +44,7 @@ SPEC = register(
         flavors,
         tp_plan=gemma2_tp_plan,
         block_activation_bytes=gemma2_block_activation_bytes,
-        hf=HFAdapter(
-            "gemma2",
-            hf.args_from_hf_config,
-            hf.config_with_dtype,
-            hf.to_hf,
-            hf.from_hf,
-            tensor=hf.hf_tensor,
-        ),
+        hf=HFAdapter.of("gemma2", hf),
         function_args=(
             "rope_theta",
             "norm_eps",

@@ -13,22 +13,19 @@ import torch
 
 from models import hf_names
 from models.gemma2.model import Gemma2Args
+from models.gemma_blocks import GELU_TANH, HF_NORMS_AND_MLP
 
-# Inside block i: layers.{i}.<ours> <-> model.layers.{i}.<HF>
+# Inside block i: layers.{i}.<ours> <-> model.layers.{i}.<HF>: the attention without QK-norms,
+# then Gemma's norms and MLP (models/gemma_blocks.py)
 _BLOCK = {
     "attention_norm.weight": "input_layernorm.weight",
     "attention.wq.weight": "self_attn.q_proj.weight",
     "attention.wk.weight": "self_attn.k_proj.weight",
     "attention.wv.weight": "self_attn.v_proj.weight",
     "attention.wo.weight": "self_attn.o_proj.weight",
-    "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "post_ffn_norm.weight": "post_feedforward_layernorm.weight",
+    **HF_NORMS_AND_MLP,
 }
-ACTIVATION = "gelu_pytorch_tanh"  # gelu with the tanh approximation
+ACTIVATION = GELU_TANH
 
 
 _NAMES = hf_names.Renaming(_BLOCK)

@@ -20,18 +20,16 @@ shared decoder shell (models/blocks.py) runs the model unchanged.
 
 from __future__ import annotations
 
-import functools
-import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from models.attention import AttentionBatch, AttentionSpec
-from models.blocks import Decoder, FeedForward, GroupedQueryAttention
+from models import gemma_blocks
+from models.attention import AttentionSpec
+from models.blocks import Decoder, GroupedQueryAttention
 from models.decoder_shape import DecoderShape, apply_rope, rope_table
-from models.numerics import at_least_float32
+from models.gemma_blocks import FourNormBlock, ScaledEmbedding, ZeroCentredRMSNorm
 
 
 @dataclass
@@ -65,38 +63,6 @@ class Gemma2Args(DecoderShape):
         )
 
 
-class RMSNorm(nn.Module):
-    """x / rms(x) * (1 + weight), in at least float32 and cast back to x's dtype afterwards
-    (HF multiplies before the cast, unlike Llama's); the weight starts at 0."""
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = at_least_float32(x)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.to(h.dtype))).type_as(x)
-
-    def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.eps}"
-
-
-@functools.cache
-def _in_dtype(value: float, dtype: torch.dtype) -> float:
-    """`value` rounded to `dtype` (a Python float, so that it multiplies DTensors too)."""
-    return torch.tensor(value, dtype=dtype).item()
-
-
-class ScaledEmbedding(nn.Embedding):
-    """Embeddings times sqrt(dim), the factor rounded to their dtype (bf16: 48.0 for 2304)."""
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = super().forward(tokens)
-        return h * _in_dtype(math.sqrt(self.embedding_dim), h.dtype)
-
-
 class SoftcappedLinear(nn.Linear):
     """The output projection with its logits soft-capped: cap * tanh(logits / cap)."""
 
@@ -111,34 +77,16 @@ class SoftcappedLinear(nn.Linear):
         return torch.tanh(logits / self.softcap) * self.softcap
 
 
-class GeGLU(FeedForward):
-    """w2(gelu_tanh(w1 x) * w3 x) (Hugging Face: down(gelu_tanh(gate x) * up x))."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.gelu(self.w1(x), approximate="tanh") * self.w3(x))
-
-
-class Block(nn.Module):
-    """h = x + post_attention_norm(attention(attention_norm(x)));
-    out = h + post_ffn_norm(feed_forward(ffn_norm(h)))."""
+class Block(FourNormBlock):
+    """Gemma's four-norm block (models/gemma_blocks.py) around the layer's attention: soft-capped,
+    sliding on the even-indexed layers."""
 
     def __init__(self, args: Gemma2Args, layer: int):
-        super().__init__()
-        self.attention = GroupedQueryAttention(
+        attention = GroupedQueryAttention(
             args.dim, args.n_heads, args.n_kv_heads, args.head_dim, apply_rope,
             spec=args.attention_spec(layer),
         )  # fmt: skip
-        self.feed_forward = GeGLU(args.dim, args.ffn_dim)
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.post_attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.post_ffn_norm = RMSNorm(args.dim, args.norm_eps)
-
-    def forward(
-        self, x: torch.Tensor, rope: torch.Tensor, batch: AttentionBatch | None = None
-    ) -> torch.Tensor:
-        h = x + self.post_attention_norm(self.attention(self.attention_norm(x), rope, batch))
-        return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
+        super().__init__(args.dim, args.ffn_dim, args.norm_eps, attention)
 
 
 class Gemma2(Decoder):
@@ -147,17 +95,9 @@ class Gemma2(Decoder):
     def __init__(self, args: Gemma2Args):
         super().__init__(args, [Block(args, i) for i in range(args.n_layers)])
         # the shell's modules, replaced by Gemma's (same names and shapes)
-        self.tok_embeddings = ScaledEmbedding(args.vocab_size, args.dim)
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.tok_embeddings = ScaledEmbedding(args.vocab_size, args.dim, via_float32=False)
+        self.norm = ZeroCentredRMSNorm(args.dim, args.norm_eps)
         self.output = SoftcappedLinear(args.dim, args.vocab_size, args.final_softcap)
         self.tie_weights()
 
-    def init_param(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
-        """Norm weights 0 (they scale by 1 + weight); every matrix (embeddings included, which
-        the output shares) a normal of std 0.02 cut at 3 std."""
-        if name.endswith("norm.weight"):
-            tensor.zero_()
-        elif name.endswith(".weight"):
-            nn.init.trunc_normal_(tensor, std=0.02, a=-0.06, b=0.06, generator=generator)
-        else:
-            raise ValueError(f"init_param: no initialisation rule for parameter '{name}'")
+    init_param = staticmethod(gemma_blocks.init_param)

@@ -44,14 +44,7 @@ SPEC = register(
         flavors,
         tp_plan=gemma3_tp_plan,
         block_activation_bytes=gemma3_block_activation_bytes,
-        hf=HFAdapter(
-            "gemma3_text",
-            hf.args_from_hf_config,
-            hf.config_with_dtype,
-            hf.to_hf,
-            hf.from_hf,
-            tensor=hf.hf_tensor,
-        ),
+        hf=HFAdapter.of("gemma3_text", hf),
         function_args=(
             "norm_eps",
             "rope_theta",

@@ -16,18 +16,12 @@ import torch
 
 from models import hf_names
 from models.gemma3.model import Gemma3Args
+from models.gemma_blocks import GELU_TANH, HF_NORMS_AND_MLP
 
-# Inside block i: layers.{i}.<ours> <-> model.layers.{i}.<HF>
-_BLOCK = {
-    **hf_names.ATTENTION,  # q/k/v/o, the QK-norms and input_layernorm as Qwen3's
-    "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-    "post_ffn_norm.weight": "post_feedforward_layernorm.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-}
-ACTIVATION = "gelu_pytorch_tanh"
+# Inside block i: layers.{i}.<ours> <-> model.layers.{i}.<HF>: q/k/v/o, the QK-norms and
+# input_layernorm as Qwen3's, then Gemma's norms and MLP (models/gemma_blocks.py)
+_BLOCK = {**hf_names.ATTENTION, **HF_NORMS_AND_MLP}
+ACTIVATION = GELU_TANH
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 

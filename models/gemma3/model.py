@@ -21,17 +21,15 @@ What differs from Qwen3 (the Hugging Face `Gemma3ForCausalLM` is the reference):
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
+from models import gemma_blocks
 from models.attention import AttentionSpec
-from models.blocks import Decoder, FeedForward, GroupedQueryAttention
+from models.blocks import Decoder, GroupedQueryAttention
 from models.decoder_shape import DecoderShape, apply_rope
-from models.numerics import at_least_float32
+from models.gemma_blocks import FourNormBlock, ScaledEmbedding, ZeroCentredRMSNorm
 
 LOCAL, GLOBAL = 0, 1  # the rows of the stacked RoPE table
 
@@ -83,47 +81,6 @@ def rope_table(
     return torch.stack(rows).to(device=device, dtype=dtype)
 
 
-class RMSNorm(nn.Module):
-    """x / rms(x) * (1 + weight), in at least float32 and cast back to x's dtype; the weight
-    starts at zero (a unit scale), as in the Hugging Face checkpoints."""
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = at_least_float32(x)
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (1.0 + self.weight.to(y.dtype))).type_as(x)
-
-    def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.eps}"
-
-
-@functools.lru_cache
-def embedding_normalizer(dim: int, dtype: torch.dtype) -> float:
-    """sqrt(dim) as Hugging Face applies it: a float32 value cast to the embeddings' dtype."""
-    return torch.tensor(dim**0.5, dtype=torch.float32).to(dtype).item()
-
-
-class ScaledEmbedding(nn.Embedding):
-    """Token embeddings times sqrt(dim) (`embedding_normalizer`); a Python number, so the
-    product is the same under tensor parallelism's sharded lookup."""
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        out = super().forward(tokens)
-        return out * embedding_normalizer(self.embedding_dim, out.dtype)
-
-
-class GeGLU(FeedForward):
-    """The shared feed-forward's weights with a tanh-approximated GELU gate:
-    w2(gelu_tanh(w1 x) * w3 x) (Hugging Face: down(gelu(gate x) * up x))."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.gelu(self.w1(x), approximate="tanh") * self.w3(x))
-
-
 class Attention(GroupedQueryAttention):
     """The shared grouped-query attention with Gemma's QK-norm and the layer's spec: the
     sliding window on local layers, none on global ones, scale query_pre_attn_scalar ** -0.5."""
@@ -137,29 +94,21 @@ class Attention(GroupedQueryAttention):
             args.dim, args.n_heads, args.n_kv_heads, args.head_dim, apply_rope,
             qk_norm_eps=args.norm_eps, spec=spec,
         )  # fmt: skip
-        self.q_norm = RMSNorm(args.head_dim, eps=args.norm_eps)
-        self.k_norm = RMSNorm(args.head_dim, eps=args.norm_eps)
+        self.q_norm = ZeroCentredRMSNorm(args.head_dim, eps=args.norm_eps)
+        self.k_norm = ZeroCentredRMSNorm(args.head_dim, eps=args.norm_eps)
 
 
-class Block(nn.Module):
-    """h = x + post_attention_norm(attention(attention_norm(x)));
-    out = h + post_ffn_norm(feed_forward(ffn_norm(h))), with the RoPE row of the layer's kind."""
+class Block(FourNormBlock):
+    """Gemma's four-norm block (models/gemma_blocks.py) around the layer's attention, reading
+    the RoPE row of the layer's kind."""
 
     def __init__(self, args: Gemma3Args, layer: int):
-        super().__init__()
         global_layer = args.is_global(layer)
+        super().__init__(args.dim, args.ffn_dim, args.norm_eps, Attention(args, global_layer))
         self.rope_row = GLOBAL if global_layer else LOCAL
-        self.attention = Attention(args, global_layer)
-        self.feed_forward = GeGLU(args.dim, args.ffn_dim)
-        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.post_attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.post_ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, batch=None) -> torch.Tensor:
-        attended = self.attention(self.attention_norm(x), rope[self.rope_row], batch)
-        h = x + self.post_attention_norm(attended)
-        return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
+    def rope_of(self, rope: torch.Tensor) -> torch.Tensor:
+        return rope[self.rope_row]
 
 
 class Gemma3(Decoder):
@@ -171,21 +120,12 @@ class Gemma3(Decoder):
 
     def __init__(self, args: Gemma3Args):
         super().__init__(args, [Block(args, i) for i in range(args.n_layers)])
-        self.tok_embeddings = ScaledEmbedding(args.vocab_size, args.dim)
-        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.tok_embeddings = ScaledEmbedding(args.vocab_size, args.dim, via_float32=True)
+        self.norm = ZeroCentredRMSNorm(args.dim, eps=args.norm_eps)
         self.tie_weights()
 
     def rope_rows(self, positions: torch.Tensor | None) -> torch.Tensor:
         """Both tables' rows: [2, positions, ...], or [2, batch, seq, ...] for given positions."""
         return self.rope if positions is None else self.rope[:, positions]
 
-    def init_param(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
-        """Norm weights zero (a unit scale: the norms multiply by 1 + weight); every matrix
-        (the embeddings, which the output shares, included) a normal of std 0.02 cut at 3 std,
-        as the Hugging Face initialisation."""
-        if name.endswith("norm.weight"):
-            tensor.zero_()
-        elif name.endswith(".weight"):
-            nn.init.trunc_normal_(tensor, std=0.02, a=-0.06, b=0.06, generator=generator)
-        else:
-            raise ValueError(f"init_param: no initialisation rule for parameter '{name}'")
+    init_param = staticmethod(gemma_blocks.init_param)

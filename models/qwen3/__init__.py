@@ -48,14 +48,7 @@ SPEC = register(
         flavors,
         tp_plan=qwen3_tp_plan,
         block_activation_bytes=qwen3_block_activation_bytes,
-        hf=HFAdapter(
-            "qwen3",
-            hf.args_from_hf_config,
-            hf.config_with_dtype,
-            hf.to_hf,
-            hf.from_hf,
-            tensor=hf.hf_tensor,
-        ),
+        hf=HFAdapter.of("qwen3", hf),
         function_args=("rope_theta", "norm_eps"),
     )
 )

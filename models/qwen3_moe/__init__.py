@@ -16,38 +16,23 @@ from models.qwen3_moe.plan import (
     validate_qwen3_moe,
 )
 
+# fmt: off
 flavors = {
     # 8 experts, 2 per token: small enough for the CPU parity tests, and EP 2 / 4 split it
     "debugmodel": Qwen3MoEArgs(
-        dim=256,
-        n_layers=4,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=32,
-        vocab_size=4096,
-        n_experts=8,
-        top_k=2,
-        moe_ffn_dim=128,
-    ),  # fmt: skip
+        dim=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, vocab_size=4096,
+        n_experts=8, top_k=2, moe_ffn_dim=128,
+    ),
     "30B-A3B": Qwen3MoEArgs(
-        dim=2048,
-        n_layers=48,
-        n_heads=32,
-        n_kv_heads=4,
-        n_experts=128,
-        top_k=8,
+        dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, n_experts=128, top_k=8,
         moe_ffn_dim=768,
-    ),  # fmt: skip
+    ),
     "235B-A22B": Qwen3MoEArgs(
-        dim=4096,
-        n_layers=94,
-        n_heads=64,
-        n_kv_heads=4,
-        n_experts=128,
-        top_k=8,
+        dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, n_experts=128, top_k=8,
         moe_ffn_dim=1536,
-    ),  # fmt: skip
+    ),
 }
+# fmt: on
 
 
 SPEC = register(
@@ -58,14 +43,7 @@ SPEC = register(
         tp_plan=qwen3_moe_tp_plan,
         validate=validate_qwen3_moe,
         block_activation_bytes=qwen3_moe_block_activation_bytes,
-        hf=HFAdapter(
-            "qwen3_moe",
-            hf.args_from_hf_config,
-            hf.config_with_dtype,
-            hf.to_hf,
-            hf.from_hf,
-            tensor=hf.hf_tensor,
-        ),
+        hf=HFAdapter.of("qwen3_moe", hf),
         routing=RoutingHooks(
             experts=routing.experts,
             expert_weights=routing.EXPERT_WEIGHTS,

@@ -19,6 +19,7 @@ FP64_PARITY = "tests/integration/test_fp64_parity.py::test_fp64_layout_matches_o
 RESUME = "tests/unit/test_option_effects.py::test_resume_restores_every_counter"
 ATTN = "tests/unit/test_attention.py"
 GEMMA2_LOGITS = "tests/unit/test_gemma2.py::test_logits_match_transformers"
+GEMMA3_LOGITS = "tests/unit/test_gemma3.py::test_gemma3_logits_match_transformers"
 HF_STREAM = "tests/unit/test_hf_stream.py"
 HF_LOAD = (
     "tests/integration/test_checkpoint_train.py::test_hf_folder_loads_directly_into_a_sharded_run"
@@ -518,20 +519,20 @@ MUTANTS = [
         (GEMMA2_LOGITS,),
     ),
     Mutant(
-        "gemma2_norm_without_one",
-        "Gemma 2: the RMSNorms scale by weight, not by 1 + weight",
-        "models/gemma2/model.py",
+        "gemma_norm_without_one",
+        "Gemma 2 and 3: the zero-centred RMSNorms scale by weight, not by 1 + weight",
+        "models/gemma_blocks.py",
         "(h * (1.0 + self.weight.to(h.dtype))).type_as(x)",
         "(h * self.weight.to(h.dtype)).type_as(x)",
-        (GEMMA2_LOGITS,),
+        (GEMMA2_LOGITS, GEMMA3_LOGITS),
     ),
     Mutant(
-        "gemma2_embeddings_unscaled",
-        "Gemma 2: the token embeddings not multiplied by sqrt(dim)",
-        "models/gemma2/model.py",
-        "return h * _in_dtype(math.sqrt(self.embedding_dim), h.dtype)",
+        "gemma_embeddings_unscaled",
+        "Gemma 2 and 3: the token embeddings not multiplied by sqrt(dim)",
+        "models/gemma_blocks.py",
+        "return h * rounded_sqrt(self.embedding_dim, h.dtype, self.via_float32)",
         "return h",
-        (GEMMA2_LOGITS,),
+        (GEMMA2_LOGITS, GEMMA3_LOGITS),
     ),
     Mutant(
         "gemma2_post_norm_not_in_tp_plan",
