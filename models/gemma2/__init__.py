@@ -37,23 +37,13 @@ flavors = {
 # fmt: on
 
 
-SPEC = register(
-    ModelSpec(
-        "gemma2",
-        Gemma2,
-        flavors,
-        tp_plan=gemma2_tp_plan,
-        block_activation_bytes=gemma2_block_activation_bytes,
-        hf=HFAdapter.of("gemma2", hf),
-        function_args=(
-            "rope_theta",
-            "norm_eps",
-            "query_pre_attn_scalar",
-            "attn_softcap",
-            "final_softcap",
-            "sliding_window",
-        ),  # fmt: skip
-    )
-)
+# fmt: off
+SPEC = register(ModelSpec(
+    "gemma2", Gemma2, flavors, tp_plan=gemma2_tp_plan, hf=HFAdapter.of("gemma2", hf),
+    block_activation_bytes=gemma2_block_activation_bytes,
+    function_args=("rope_theta", "norm_eps", "query_pre_attn_scalar", "attn_softcap",
+                   "final_softcap", "sliding_window"),
+))
+# fmt: on
 
 __all__ = ["SPEC", "Gemma2", "Gemma2Args", "flavors"]

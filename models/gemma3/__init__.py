@@ -37,24 +37,13 @@ flavors = {
 # fmt: on
 
 
-SPEC = register(
-    ModelSpec(
-        "gemma3",
-        Gemma3,
-        flavors,
-        tp_plan=gemma3_tp_plan,
-        block_activation_bytes=gemma3_block_activation_bytes,
-        hf=HFAdapter.of("gemma3_text", hf),
-        function_args=(
-            "norm_eps",
-            "rope_theta",
-            "rope_local_theta",
-            "rope_scaling_factor",
-            "sliding_window",
-            "sliding_window_pattern",
-            "query_pre_attn_scalar",
-        ),
-    )
-)
+# fmt: off
+SPEC = register(ModelSpec(
+    "gemma3", Gemma3, flavors, tp_plan=gemma3_tp_plan, hf=HFAdapter.of("gemma3_text", hf),
+    block_activation_bytes=gemma3_block_activation_bytes,
+    function_args=("norm_eps", "rope_theta", "rope_local_theta", "rope_scaling_factor",
+                   "sliding_window", "sliding_window_pattern", "query_pre_attn_scalar"),
+))
+# fmt: on
 
 __all__ = ["SPEC", "Gemma3", "Gemma3Args", "flavors"]

@@ -76,23 +76,14 @@ flavors = {
     ),
 }
 
-SPEC = register(
-    ModelSpec(
-        "llama3",
-        Transformer,
-        flavors,
-        tp_plan=llama_tp_plan,
-        block_activation_bytes=llama_block_activation_bytes,
-        hf=HFAdapter(
-            "llama",
-            hf.args_from_hf_config,
-            hf.hf_config_from_args,
-            hf.meta_to_hf,
-            hf.hf_to_meta,
-            tensor=hf.hf_tensor,
-        ),
-        function_args=("rope_theta", "use_scaled_rope", "norm_eps"),
-    )
-)
+# fmt: off
+SPEC = register(ModelSpec(
+    "llama3", Transformer, flavors, tp_plan=llama_tp_plan,
+    block_activation_bytes=llama_block_activation_bytes,
+    hf=HFAdapter("llama", hf.args_from_hf_config, hf.hf_config_from_args, hf.meta_to_hf,
+                 hf.hf_to_meta, tensor=hf.hf_tensor),
+    function_args=("rope_theta", "use_scaled_rope", "norm_eps"),
+))
+# fmt: on
 
 __all__ = ["SPEC", "ModelArgs", "Transformer", "flavors"]

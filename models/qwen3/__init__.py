@@ -41,16 +41,11 @@ flavors = {
 }
 
 
-SPEC = register(
-    ModelSpec(
-        "qwen3",
-        Qwen3,
-        flavors,
-        tp_plan=qwen3_tp_plan,
-        block_activation_bytes=qwen3_block_activation_bytes,
-        hf=HFAdapter.of("qwen3", hf),
-        function_args=("rope_theta", "norm_eps"),
-    )
-)
+# fmt: off
+SPEC = register(ModelSpec(
+    "qwen3", Qwen3, flavors, tp_plan=qwen3_tp_plan, hf=HFAdapter.of("qwen3", hf),
+    block_activation_bytes=qwen3_block_activation_bytes, function_args=("rope_theta", "norm_eps"),
+))
+# fmt: on
 
 __all__ = ["SPEC", "Qwen3", "Qwen3Args", "flavors"]
