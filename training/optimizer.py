@@ -59,11 +59,33 @@ def build_optimizer(
         "foreach": impl == "foreach",
     }
     groups = param_groups(model_parts, cfg.weight_decay, no_decay)
-    if cfg.name == "AdamW":
-        return torch.optim.AdamW(groups, **kwargs)
-    for g in groups:
-        g["weight_decay"] = 0.0
-    return torch.optim.Adam(groups, **kwargs)
+    if cfg.name == "Adam":
+        for g in groups:
+            g["weight_decay"] = 0.0
+    optimizer = (torch.optim.AdamW if cfg.name == "AdamW" else torch.optim.Adam)(groups, **kwargs)
+    if kwargs["fused"]:
+        optimizer.register_step_pre_hook(contiguous_grads)
+    return optimizer
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def contiguous_grads(optimizer: torch.optim.Optimizer, *_) -> None:
+    """Makes every gradient contiguous before a fused step (a step pre-hook).
+
+    The fused Adam(W) kernel reads a gradient's memory in row-major order whatever its
+    strides (torch 2.13 on CPU, measured: a transposed gradient updates the wrong elements).
+    Autograd's own accumulation gives a gradient the parameter's layout, but the split
+    backward of torch.distributed.pipelining's zero-bubble schedules assigns `param.grad`
+    itself: Qwen3-MoE's experts (used as `w.mT`) then got transposed gradients and trained
+    wrong under TP x PP with InterleavedZeroBubble / DualPipeV (the float64 parity row
+    test_fp64_parity.py[moe_tp2_pp2_zb] holds it)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None and not _local(p.grad).is_contiguous():
+                p.grad = p.grad.contiguous()
 
 
 def lr_factor(

@@ -15,7 +15,8 @@ Validation rides along: every run evaluates 2 global batches of the held-out spl
 parallelism, accumulation or pipeline split of the global batch.
 
 Cheap by design: the tiny shape of `tests/tiny_model.toml`, 8 steps, 2 ranks except one
-4-rank composition per family that needs it.
+4-rank composition per family that needs it (2 layers; 4 for the schedules that hold 2
+stages per rank).
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ REFERENCES = {
     "gemma3": ("--model.name=gemma3",),
     "moe": (*MOE, "--moe.aux_loss_coeff=0.01"),
     "moe_z_bias": (*MOE, *Z_BIAS),
+    # 4 layers: the V and interleaved schedules hold 2 stages per rank
+    "moe_z_bias_4_layers": (*MOE, *Z_BIAS, "--model.n_layers=4"),
 }
 LLAMA, QWEN3 = REFERENCES["llama"], REFERENCES["qwen3"]
 GEMMA2, GEMMA3 = REFERENCES["gemma2"], REFERENCES["gemma3"]
@@ -87,6 +90,11 @@ LAYOUTS = table(
     # step 1 (loss 1.66e-3 off by step 4; exact without compile or without per-op AC): K/V
     # are now gathered in one collective.
     Layout("moe_cp2_pp2_compile_ac_op", 4, (*MOE_Z_BIAS, "--parallelism.context_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2", "--compile.enable=true", "--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op"), "moe_z_bias", FP64),
+    # The zero-bubble schedules assign the weight gradients themselves (split backward): the
+    # experts' (used as w.mT) came transposed, and the fused AdamW kernel read them in the
+    # parameter's order (loss 1.1e-4 off from step 2; 1F1B and float32 noise hid it):
+    # training/optimizer.py:contiguous_grads
+    Layout("moe_tp2_pp2_zero_bubble", 4, (*MOE_Z_BIAS, "--model.n_layers=4", "--parallelism.tensor_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=InterleavedZeroBubble", "--parallelism.pipeline_parallel_microbatch_size=2"), "moe_z_bias_4_layers", FP64),
     Layout("moe_ep2_pp2_ddp", 4, (*MOE_Z_BIAS, "--parallelism.expert_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2", "--parallelism.zero_stage=0", "--training.local_batch_size=4"), "moe_z_bias", FP64),
 )
 # fmt: on
@@ -100,7 +108,8 @@ def pool_runs(selected):
 def test_fp64_layout_matches_one_process(runs, name):
     row = LAYOUTS[name]
     ranks, run, ref = row.nproc, runs[name].check(), runs[row.reference].check()
-    assert_layout(run.folder, ranks, run.args, 2, moe_local_blocks(ranks, run.args, 2))
+    layers = 4 if "--model.n_layers=4" in run.args else 2
+    assert_layout(run.folder, ranks, run.args, layers, moe_local_blocks(ranks, run.args, layers))
     weights = final_weights(run.folder, STEPS)
     assert {w.dtype for w in weights.values()} == {torch.float64}, "not float64 weights"
     worst = assert_parity(ref.folder, run.folder, row.tol, step=STEPS)

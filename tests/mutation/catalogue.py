@@ -594,4 +594,17 @@ MUTANTS = [
         "micro_batches=1,",
         (f"{FP64_PARITY}[llama_zero2_accum]",),
     ),
+    Mutant(
+        "fused_step_on_transposed_grads",
+        "the fused AdamW steps on gradients with other strides than their parameters (the "
+        "zero-bubble schedules' weight gradients), which its kernel reads in the wrong order",
+        "training/optimizer.py",
+        "        optimizer.register_step_pre_hook(contiguous_grads)\n",
+        "        pass\n",
+        (
+            "tests/unit/test_training_units.py::"
+            "test_a_transposed_gradient_steps_like_a_contiguous_one",
+            f"{FP64_PARITY}[moe_tp2_pp2_zero_bubble]",
+        ),
+    ),
 ]

@@ -109,6 +109,22 @@ def test_optimizer_kernels_agree_and_auto_is_fused_on_cpu(impl):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("impl", ["auto", "foreach"])
+def test_a_transposed_gradient_steps_like_a_contiguous_one(impl):
+    """A gradient with other strides than its parameter (torch.distributed.pipelining's split
+    weight backward assigns them: a weight used as `w.mT`) takes the same step as its
+    contiguous copy: torch's fused AdamW kernel reads the memory in the parameter's order, so
+    the fused optimizer makes gradients contiguous first (`contiguous_grads`)."""
+    cfg = parse_args(["--optimizer.lr", "0.1", "--optimizer.implementation", impl])
+    grad = torch.randn(2, 4, 3).mT  # [2, 3, 4], column-major
+    params = [torch.nn.Parameter(torch.zeros(2, 3, 4)) for _ in range(2)]
+    for p, g in zip(params, (grad, grad.contiguous())):
+        p.grad = g
+        build_optimizer([torch.nn.ParameterList([p])], cfg.optimizer, "cpu", []).step()
+    torch.testing.assert_close(params[0], params[1], rtol=0, atol=0)
+    assert params[0].abs().min() > 0
+
+
 def _run_steps(batch_split, steps=3):
     """Trains a tiny model on 8 fixed sequences per step, split into micro-steps."""
     torch.manual_seed(0)
