@@ -91,7 +91,7 @@ def training_step(cfg, dims, device):
     t = cfg.training
     tokenizer = load_tokenizer(cfg)
     model_args = model_args_for(cfg, t.seq_len, tokenizer.vocab_size)
-    split = sequence_split(cfg, dims, tokenizer)  # this rank's CP shard of each sequence
+    split = sequence_split(cfg, dims)  # this rank's CP shard of each sequence
     tokens = t.local_batch_size * t.seq_len // dims.cp
 
     def loss_fn(logits, labels):
@@ -113,7 +113,8 @@ def training_step(cfg, dims, device):
     gen = torch.Generator().manual_seed(cfg.debug.seed + dims.coordinate("dp")[0])
     shape = (t.local_batch_size, t.seq_len)
     x, y = (torch.randint(0, model_args.vocab_size, shape, generator=gen).to(device) for _ in "xy")
-    batch = [sequence_inputs(split, x, y)]
+    one_document = torch.zeros(shape, dtype=torch.int32, device=device)  # per sequence
+    batch = [sequence_inputs(split, x, y, one_document)]
 
     def step():
         train_step(setup, batch)

@@ -13,30 +13,23 @@ import torch
 from parallelisms.context_parallel import gathered_positions, local_positions
 
 
-def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """[batch, seq] document index of each token of packed sequences: a document ends with its
-    end-of-document token and the next token starts the next one (the data pipeline packs
-    [BOS] text [EOS], or text [EOS] for tokenizers without BOS)."""
-    ends = (tokens == eos_id).to(torch.int32)
-    return torch.cumsum(ends, dim=-1, dtype=torch.int32) - ends
-
-
 @dataclass(frozen=True)
 class SequenceSplit:
     """How this rank turns a loaded batch into model inputs: its CP shard of each sequence,
-    and the attention coordinates. `eos_id`: set with document masking; `positions`: give the
+    and the attention coordinates. `document_mask`: attention stays within documents, whose
+    index the loader gives with every batch; `positions`: give the
     positions even without CP (a pipeline stage after the first cannot tell the sequence
     length from its input, which tensor parallelism may have split along the sequence)."""
 
     cp_rank: int = 0
     cp: int = 1
-    eos_id: int | None = None
+    document_mask: bool = False
     positions: bool = False
 
     @property
     def plain(self) -> bool:
         """No CP, no document mask, no positions: the model's defaults."""
-        return self.cp == 1 and self.eos_id is None and not self.positions
+        return self.cp == 1 and not self.document_mask and not self.positions
 
 
 def sequence_inputs(
@@ -50,15 +43,15 @@ def sequence_inputs(
     of its tokens, and under CP the `key_positions` and `key_documents` of the keys its
     attention gathers (all [batch, tokens]). Plain layouts get the batch back unchanged and no
     keyword arguments. `documents`: the loader's document index of each input token (from the
-    token files' index, `data.dataloader.DPDataLoader(documents=True)`); without it, document
-    masking scans for the end-of-document id."""
+    sources' indexes, `data.dataloader.DPDataLoader(documents=True)`), the one producer of
+    document boundaries: no token is scanned for an end-of-document id."""
     if split.plain:
         return inputs, labels, {}
     batch, seq = inputs.shape  # seq_len % (2 cp) == 0: checked with the config
-    if split.eos_id is None:
+    if not split.document_mask:
         documents = None
     elif documents is None:
-        documents = document_ids(inputs, split.eos_id)
+        raise ValueError("document masking needs the loader's document index of the batch")
     if split.cp == 1:
         kwargs = {"positions": torch.arange(seq, device=inputs.device).expand(batch, -1)}
         if documents is not None:

@@ -300,13 +300,12 @@ def build_checkpointer(cfg, parallel_dims, model_parts, optimizer, lr_scheduler,
     return checkpointer
 
 
-def sequence_split(cfg: JobConfig, parallel_dims: ParallelDims, tokenizer) -> SequenceSplit:
-    """This rank's CP shard of the sequences, document masking's end-of-document id, and
+def sequence_split(cfg: JobConfig, parallel_dims: ParallelDims) -> SequenceSplit:
+    """This rank's CP shard of the sequences, whether attention stays within documents, and
     whether stages need the positions given (pipeline parallelism)."""
     cp_rank, cp = parallel_dims.coordinate("cp")
-    eos_id = tokenizer.eos_id if cfg.training.document_mask else None
     pp = parallel_dims.coordinate("pp")[1]
-    return SequenceSplit(cp_rank=cp_rank, cp=cp, eos_id=eos_id, positions=pp > 1)
+    return SequenceSplit(cp_rank, cp, cfg.training.document_mask, positions=pp > 1)
 
 
 def build_step_setup(cfg, parallel_dims, device, built, loss_fn, tokens_per_rank_step, split):
@@ -390,7 +389,7 @@ def build_run(cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, local_r
     checkpointer = build_checkpointer(
         cfg, parallel_dims, model_parts, optimizer, lr_scheduler, train_loader, state
     )
-    split = sequence_split(cfg, parallel_dims, tokenizer)
+    split = sequence_split(cfg, parallel_dims)
     setup = build_step_setup(
         cfg, parallel_dims, device, built, step_loss, batches.tokens_per_rank_step, split
     )

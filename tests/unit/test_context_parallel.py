@@ -19,7 +19,7 @@ from parallelisms.context_parallel import (
     gathered_positions,
     local_positions,
 )
-from training.inputs import SequenceSplit, document_ids, sequence_inputs
+from training.inputs import SequenceSplit, sequence_inputs
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
@@ -36,37 +36,28 @@ def test_ranks_hold_head_and_tail_chunks_of_equal_causal_work(cp):
     assert torch.equal(gathered_positions(seq, cp), torch.cat(held))
 
 
-def test_documents_end_with_their_end_token():
-    eos = 9
-    tokens = torch.tensor([[1, 5, eos, 1, 7, 8, eos, 1], [eos, eos, 3, 4, 5, 6, 7, 8]])
-    assert document_ids(tokens, eos).tolist() == [
-        [0, 0, 0, 1, 1, 1, 1, 2],
-        [0, 1, 2, 2, 2, 2, 2, 2],
-    ]
-
-
 def test_plain_layouts_keep_the_batch_and_the_default_attention():
     x, y = torch.randint(0, 9, (2, 8)), torch.randint(0, 9, (2, 8))
     got_x, got_y, kwargs = sequence_inputs(SequenceSplit(), x, y)
     assert got_x is x and got_y is y and kwargs == {}
 
 
-@pytest.mark.parametrize("eos_id", [None, 3])
-def test_cp_shard_gives_its_queries_and_the_gathered_keys_positions_and_documents(eos_id):
+@pytest.mark.parametrize("document_mask", [False, True])
+def test_cp_shard_gives_its_queries_and_the_gathered_keys_positions_and_documents(document_mask):
     cp, seq = 2, 16
     x = torch.randint(0, 6, (3, seq))
     y = torch.roll(x, -1, 1)
+    docs = torch.randint(0, 3, (3, seq), dtype=torch.int32).sort(dim=1).values
     keys = gathered_positions(seq, cp)
     for r in range(cp):
         mine = local_positions(seq, r, cp)
-        lx, ly, kw = sequence_inputs(SequenceSplit(r, cp, eos_id), x, y)
+        lx, ly, kw = sequence_inputs(SequenceSplit(r, cp, document_mask), x, y, docs)
         assert torch.equal(lx, x[:, mine]) and torch.equal(ly, y[:, mine])
         assert torch.equal(kw["positions"], mine.expand(3, -1))
         assert torch.equal(kw["key_positions"], keys.expand(3, -1))
-        if eos_id is None:
+        if not document_mask:
             assert "documents" not in kw and "key_documents" not in kw
             continue
-        docs = document_ids(x, eos_id)
         assert torch.equal(kw["documents"], docs[:, mine])
         assert torch.equal(kw["key_documents"], docs[:, keys])
 
@@ -134,7 +125,9 @@ def test_documents_do_not_see_each_other():
     a = torch.tensor([[5, 6, eos, 7, 8, 9, 10, 11]])
     b = torch.tensor([[1, 2, eos, 7, 8, 9, 10, 11]])  # another first document
     with torch.no_grad():
-        outs = [model(t, **sequence_inputs(SequenceSplit(eos_id=eos), t, t)[2]) for t in (a, b)]
+        docs = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]], dtype=torch.int32)
+        split = SequenceSplit(document_mask=True)
+        outs = [model(t, **sequence_inputs(split, t, t, docs)[2]) for t in (a, b)]
     torch.testing.assert_close(outs[0][:, 3:], outs[1][:, 3:])
     assert not torch.allclose(model(a)[:, 3:], model(b)[:, 3:])  # plain causal: they do
 

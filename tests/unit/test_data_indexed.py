@@ -20,7 +20,7 @@ from data.indexed import TokenStream, open_indexed, resolve_prefixes
 from data.tokenizer import Tokenizer
 from job_config import parse_args
 from job_config.loader import ConfigError
-from training.inputs import SequenceSplit, document_ids, sequence_inputs
+from training.inputs import SequenceSplit, sequence_inputs
 from training.preflight import check_data_files
 from training.trainer import build_loaders
 
@@ -117,6 +117,12 @@ def test_layout_independent_and_resumes_at_other_dp(corpus, tokenizer, dp):
         assert all(torch.equal(w, g) for w, g in zip(want, got))
 
 
+def _eos_scan(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """The test's oracle: a document ends with its end token, the next token starts the next."""
+    ends = (tokens == eos_id).to(torch.int32)
+    return torch.cumsum(ends, dim=-1, dtype=torch.int32) - ends
+
+
 def test_index_boundaries_equal_the_end_of_document_scan(tokenizer, tmp_path):
     """For a corpus tokenised on first use (the cache, now an indexed dataset) and for a
     stream, the loader's document indices are what scanning for EOS gives: the index carries
@@ -130,10 +136,9 @@ def test_index_boundaries_equal_the_end_of_document_scan(tokenizer, tmp_path):
             tokenizer, path, dataset=dataset, batch=6, cache_dir=str(tmp_path), documents=True
         )
         for inputs, labels, docs_ids in take(data, 3):
-            assert torch.equal(docs_ids, document_ids(inputs, tokenizer.eos_id))
-            _, _, kwargs = sequence_inputs(
-                SequenceSplit(eos_id=tokenizer.eos_id), inputs, labels, docs_ids
-            )
+            assert torch.equal(docs_ids, _eos_scan(inputs, tokenizer.eos_id))
+            split = SequenceSplit(document_mask=True)
+            _, _, kwargs = sequence_inputs(split, inputs, labels, docs_ids)
             assert torch.equal(kwargs["documents"], docs_ids)
     (idx,) = (tmp_path / "tokens").glob("*.idx")  # the cache is an indexed dataset itself
     cached = open_indexed(str(idx.with_suffix("")))
@@ -142,12 +147,12 @@ def test_index_boundaries_equal_the_end_of_document_scan(tokenizer, tmp_path):
 
 
 def test_sequence_inputs_take_the_given_boundaries_under_cp():
-    """With boundaries given, no token is scanned: a sequence without any EOS still splits
+    """The loader's boundaries are the documents: a sequence without any EOS still splits
     into its documents, for the queries and the gathered keys of every CP rank."""
     tokens = torch.arange(16).reshape(1, 16)
     given = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4], dtype=torch.int32)
     for r in range(2):
-        _, _, kw = sequence_inputs(SequenceSplit(r, 2, eos_id=999), tokens, tokens, given)
+        _, _, kw = sequence_inputs(SequenceSplit(r, 2, document_mask=True), tokens, tokens, given)
         assert torch.equal(kw["documents"], given[:, kw["positions"][0]])
         assert torch.equal(kw["key_documents"], given[:, kw["key_positions"][0]])
 

@@ -712,7 +712,8 @@ def test_cp_attention_terms_equal_what_autograd_saves_on_cpu():
     skip |= {t.untyped_storage().data_ptr() for t in coordinates(own)}
     alone = _saved_bytes(model.layers["0"], x, skip, model.rope, own)
     tokens = torch.zeros(b, s, dtype=torch.long)
-    _, _, inputs = sequence_inputs(SequenceSplit(0, cp, eos_id=1), tokens, tokens)
+    one = torch.zeros(b, s, dtype=torch.int32)
+    _, _, inputs = sequence_inputs(SequenceSplit(0, cp, document_mask=True), tokens, tokens, one)
     batch = attention_batch(specs, b, local, torch.device("cpu"), **inputs)
     rope = model.rope[inputs["positions"]]
     skip |= {t.untyped_storage().data_ptr() for t in [rope, *coordinates(batch)]}

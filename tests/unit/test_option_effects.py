@@ -303,9 +303,10 @@ def model_kwargs(case: Case) -> list[str]:
     with fake_world(1):
         dims = ParallelDims.from_parallelism(case.cfg.parallelism, 1)
         dims.build_mesh("cpu")
-        split = sequence_split(case.cfg, dims, tokenizer(case))
+        split = sequence_split(case.cfg, dims)
     inputs = torch.randint(0, 256, (2, 32))
-    return sorted(sequence_inputs(split, inputs, inputs)[2])
+    one_document = torch.zeros_like(inputs, dtype=torch.int32)
+    return sorted(sequence_inputs(split, inputs, inputs, one_document)[2])
 
 
 def runtime(key: str) -> Callable[[Case], Any]:
