@@ -13,7 +13,7 @@ Adam; bytes per rank after a step):
   stage 3  `fully_shard` below    params, grads and Adam state all sharded = 16 Psi / N
            (HSDP on the 2-D (dp_replicate, dp_shard) mesh: N = dp_shard; with replicas
            only, dp_shard = 1, FSDP2 shards over one rank and all-reduces over the replicas:
-           DDP's memory, and tied parameters stay in one unit, which stages 0-2 cannot do)
+           DDP's memory; a tied parameter stays in one unit, as it stays one master in 0-2)
 
 N counts the CP ranks too (they average gradients like data ranks); under TP, Psi is the
 rank's TP shard, which stages 1-3 split over the N data-parallel ranks.

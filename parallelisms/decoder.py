@@ -40,7 +40,7 @@ logger = logging.getLogger("meshtrain")
 
 def decoder_problems(spec: ModelSpec, cfg, args) -> list[str]:
     """What this run of the family cannot do, from the config alone: TP must split the heads
-    and the sequence, tied weights rule out PP and ZeRO 0-2, CP must be able to honour every
+    and the sequence, tied weights rule out PP, CP must be able to honour every
     attention layer, then the family's own checks."""
     problems = []
     try:

@@ -297,19 +297,12 @@ def log_mesh(parallel_dims: ParallelDims) -> None:
 
 def tied_weight_problems(parallelism, flavor: str) -> list[str]:
     """What a model with tied (shared) parameters cannot run, for a family's `validate`:
-    pipeline parallelism would put the two uses on two stages, and ZeRO 0-2 cannot hold a
-    shared parameter (FSDP2, ZeRO-3, keeps it in one unit)."""
-    problems = []
-    if parallelism.pipeline_parallel_degree > 1:
-        problems.append(
-            f"model.flavor = '{flavor}' ties the output projection to the token embeddings, "
-            "which pipeline parallelism would put on two stages: use an untied flavor, or "
-            "pipeline_parallel_degree = 1."
-        )
-    if parallelism.zero_stage < 3:
-        problems.append(
-            f"model.flavor = '{flavor}' ties the output projection to the token embeddings, "
-            f"and parallelism.zero_stage = {parallelism.zero_stage} (ZeRO 0-2) cannot hold a "
-            "shared parameter: use zero_stage = 3 (FSDP2), or an untied flavor."
-        )
-    return problems
+    pipeline parallelism would put the two uses on two stages. (Data parallelism of every
+    kind holds a shared parameter once: FSDP2 in one unit, ZeRO 0-2 as one master.)"""
+    if parallelism.pipeline_parallel_degree == 1:
+        return []
+    return [
+        f"model.flavor = '{flavor}' ties the output projection to the token embeddings, "
+        "which pipeline parallelism would put on two stages: use an untied flavor, or "
+        "pipeline_parallel_degree = 1."
+    ]

@@ -122,10 +122,11 @@ class _Layout:
 
 @dataclass
 class _Param:
-    """One parameter's compute/master pair and where it is registered."""
+    """One parameter's compute/master pair and where it is registered: (module, name) places,
+    two for a weight two modules share (tied embeddings: one gradient hook, autograd sums
+    both uses), swapped together."""
 
-    module: nn.Module
-    name: str
+    places: list[tuple[nn.Module, str]]
     master: nn.Parameter
     compute: nn.Parameter | None = None
     buffer: torch.Tensor | None = None  # stages 1-2: padded flat storage of `compute`
@@ -133,6 +134,10 @@ class _Param:
     layout: _Layout | None = None  # stages 1-2
     hook: object | None = None
     pending: tuple | None = None  # in-flight reduction: (work, result, its input, result is a copy)
+
+    def register(self, tensor: nn.Parameter) -> None:
+        for module, name in self.places:
+            module._parameters[name] = tensor
 
     @property
     def aliased(self) -> bool:
@@ -183,7 +188,7 @@ class ZeroState:
         new master objects: build the optimizer after moving the model, never before."""
         self.hooks_installed = False
         for p in self.params:
-            master = p.module._parameters[p.name]
+            master = p.places[0][0]._parameters[p.places[0][1]]
             if p.hook is not None:
                 p.hook.remove()
                 p.hook = None
@@ -229,7 +234,7 @@ class ZeroState:
         if master.dtype == self.param_dtype:
             local = own
         p.master = nn.Parameter(p.layout.master(local))
-        p.module._parameters[p.name] = p.master
+        p.register(p.master)
 
     def _own_rows(self, flat: torch.Tensor, per_rank: int, rows: int, rest) -> torch.Tensor:
         """This rank's rows [r*c, min((r+1)*c, rows)) of a flat buffer, shaped."""
@@ -258,7 +263,7 @@ class ZeroState:
 
     def _register(self, compute: bool) -> None:
         for p in self.params:
-            p.module._parameters[p.name] = p.compute if compute else p.master
+            p.register(p.compute if compute else p.master)
 
     @torch.no_grad()
     def _refresh_compute(self) -> None:
@@ -386,13 +391,8 @@ class ZeroState:
             local = reduced.to(master.dtype)
             p.compute.grad = None
             if isinstance(master, DTensor):
-                local = DTensor.from_local(
-                    local,
-                    master.device_mesh,
-                    master.placements,
-                    shape=master.shape,
-                    stride=master.stride(),
-                )
+                local = DTensor.from_local(local, master.device_mesh, master.placements,
+                                           shape=master.shape, stride=master.stride())  # fmt: skip
         else:
             if self.stage == 1:  # this rank's rows of the full all-reduced gradient
                 rows, rest = p.layout.local_shape[0], p.layout.local_shape[1:]
@@ -479,16 +479,17 @@ def apply_zero(
         stage, dp_mesh, dp_tp_mesh, param_dtype, reduce_dtype, divide_by or dp_mesh.size()
     )
     _LIVE.add(state)
-    seen = set()
+    seen: dict[int, _Param] = {}
     inner = {id(m) for sub in model.modules() if isinstance(sub, ZeroModule) for m in sub.modules()}
     for module in model.modules():
         if id(module) in inner:
             continue
-        for name, param in module.named_parameters(recurse=False):
-            if id(param) in seen:
-                raise ZeroError("ZeRO stages 0-2 do not support shared (tied) parameters.")
-            seen.add(id(param))
-            state.params.append(_Param(module, name, param))
+        for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            if id(param) in seen:  # shared (tied): one master, one compute, both places
+                seen[id(param)].places.append((module, name))
+                continue
+            seen[id(param)] = _Param([(module, name)], param)
+            state.params.append(seen[id(param)])
     cls = type(model)
     model.__class__ = type(f"ZeRO{stage}{cls.__name__}", (ZeroModule, cls), {})
     model._zero = state

@@ -68,10 +68,6 @@ def build_optimizer(
     return optimizer
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def contiguous_grads(optimizer: torch.optim.Optimizer, *_) -> None:
     """Makes every gradient contiguous before a fused step (a step pre-hook).
 
@@ -81,10 +77,11 @@ def contiguous_grads(optimizer: torch.optim.Optimizer, *_) -> None:
     backward of torch.distributed.pipelining's zero-bubble schedules assigns `param.grad`
     itself: Qwen3-MoE's experts (used as `w.mT`) then got transposed gradients and trained
     wrong under TP x PP with InterleavedZeroBubble / DualPipeV (the float64 parity row
-    test_fp64_parity.py[moe_tp2_pp2_zb] holds it)."""
+    test_fp64_parity.py[moe_tp2_pp2_zero_bubble] holds it)."""
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if p.grad is not None and not _local(p.grad).is_contiguous():
+            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            if local is not None and not local.is_contiguous():
                 p.grad = p.grad.contiguous()
 
 

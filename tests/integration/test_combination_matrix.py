@@ -17,7 +17,7 @@ Refused pairs (no accepted row can hold them) are checked to be still refused, w
 check's message, so the design follows the check.
 
 All rows share one inductor cache, as runs on one machine do. The design is the committed
-`tests/matrix_design.json` (seed 23); `./run_tests.sh --matrix SEED` draws and runs another
+`tests/matrix_design.json` (seed 31); `./run_tests.sh --matrix SEED` draws and runs another
 (MESHTRAIN_MATRIX_DESIGN names its file).
 """
 

@@ -73,6 +73,9 @@ LAYOUTS = table(
     Layout("llama_pp2", 2, (*LLAMA, "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2"), "llama", FP64),
     Layout("llama_cp2", 2, (*LLAMA, "--parallelism.context_parallel_degree=2"), "llama", FP64),
     Layout("qwen3_fsdp2", 2, (*QWEN3, "--training.local_batch_size=4"), "qwen3", FP64),
+    # tied embeddings under ZeRO 0-2: one master for the two places that share it
+    Layout("qwen3_ddp", 2, (*QWEN3, "--parallelism.zero_stage=0", "--training.local_batch_size=4"), "qwen3", FP64),
+    Layout("qwen3_zero2_tp2", 4, (*QWEN3, "--parallelism.zero_stage=2", "--parallelism.tensor_parallel_degree=2", "--training.local_batch_size=4"), "qwen3", FP64),
     Layout("qwen3_tp2", 2, (*QWEN3, "--parallelism.tensor_parallel_degree=2"), "qwen3", FP64),
     Layout("qwen3_cp2_compile", 2, (*QWEN3, "--parallelism.context_parallel_degree=2", "--compile.enable=true"), "qwen3", FP64),
     Layout("gemma2_tp2", 2, (*GEMMA2, "--parallelism.tensor_parallel_degree=2"), "gemma2", FP64),

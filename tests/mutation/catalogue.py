@@ -595,6 +595,15 @@ MUTANTS = [
         (f"{FP64_PARITY}[llama_zero2_accum]",),
     ),
     Mutant(
+        "zero_tied_weight_in_one_place",
+        "ZeRO 0-2 swap a tied weight's compute and master parameters in its first module only "
+        "(the output projection keeps the other)",
+        "parallelisms/zero.py",
+        "seen[id(param)].places.append((module, name))",
+        "pass",
+        (f"{FP64_PARITY}[qwen3_zero2_tp2]",),
+    ),
+    Mutant(
         "fused_step_on_transposed_grads",
         "the fused AdamW steps on gradients with other strides than their parameters (the "
         "zero-bubble schedules' weight gradients), which its kernel reads in the wrong order",
