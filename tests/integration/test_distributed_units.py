@@ -77,11 +77,13 @@ def _two_rank_checks(rank: int, world: int) -> None:
         with torch.no_grad():
             model(x)  # installs the gradient hooks on the compute parameters
         zs = model._zero.params
-        emb = next(p for p in zs if p.module is model.tok_embeddings)
+        emb = next(p for p in zs if p.places[0][0] is model.tok_embeddings)
         alive = []
         others = [p for p in zs if p is not emb]
         emb.compute.register_post_accumulate_grad_hook(
-            lambda _, o=others, a=alive: a.append([p.name for p in o if p.compute.grad is not None])
+            lambda _, o=others, a=alive: a.append(
+                [p.places[0][1] for p in o if p.compute.grad is not None]
+            )
         )
         cross_entropy_sum(model(x), y).backward()
         assert alive == [[]], (stage, alive)
