@@ -1,7 +1,7 @@
 """What the families with an explicit head dimension share (Qwen3, Qwen3-MoE, Gemma 2,
-Gemma 3): the decoder shape their attention, norms, embeddings and RoPE read, the
-rotate-half RoPE (the first and second halves of a head are the pairs, as in the Hugging Face
-checkpoints), the grouped-query attention with per-head QK-norm, and the decoder built from
+Gemma 3): the decoder shape their attention, norms, embeddings and RoPE read, its rotate-half
+RoPE table (models/rope.py: the first and second halves of a head are the pairs, as in the
+Hugging Face checkpoints), the grouped-query attention with per-head QK-norm, and the decoder built from
 such a shape with the Hugging Face initialisation. Plain PyTorch; a family adds its
 feed-forward, its block and its own fields."""
 
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from models.blocks import Decoder, GroupedQueryAttention
-from models.numerics import at_least_float32
+from models.rope import apply_rotate_half, cos_sin_table, inverse_frequencies
 
 
 @dataclass
@@ -52,22 +52,10 @@ class DecoderShape:
 def rope_table(
     args: DecoderShape, device: torch.device | None = None, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """[max_seq_len, head_dim // 2, 2] table of (cos, sin) per position and frequency, in
-    `dtype` (float32; float64 for a float64 model)."""
-    d = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    t = torch.arange(args.max_seq_len, dtype=torch.float64)
-    angles = torch.outer(t, inv_freq).to(device=device, dtype=dtype)
-    return torch.stack([angles.cos(), angles.sin()], dim=-1)
-
-
-def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Rotates (x[i], x[i + head_dim/2]) pairs: x [batch, seq, heads, head_dim]; table as
-    Llama's `apply_rope`: [>= seq, head_dim // 2, 2] or one row per token [batch, seq, ...]."""
-    table = table[: x.shape[1]] if table.dim() == 3 else table
-    cos, sin = table[..., None, :, 0], table[..., None, :, 1]
-    a, b = at_least_float32(x).chunk(2, dim=-1)
-    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1).type_as(x)
+    """[max_seq_len, head_dim // 2, 2] (cos, sin) table for the rotate-half RoPE, the angles in
+    float64, kept in `dtype` (float32; float64 for a float64 model)."""
+    inv_freq = inverse_frequencies(args.head_dim, args.rope_theta)
+    return cos_sin_table(inv_freq, args.max_seq_len, device, dtype)
 
 
 class QKNormAttention(GroupedQueryAttention):
@@ -80,7 +68,7 @@ class QKNormAttention(GroupedQueryAttention):
             args.n_heads,
             args.n_kv_heads,
             args.head_dim,
-            apply_rope,
+            apply_rotate_half,
             qk_norm_eps=args.norm_eps,
         )
 

@@ -28,8 +28,9 @@ from torch import nn
 from models import gemma_blocks
 from models.attention import AttentionSpec
 from models.blocks import Decoder, GroupedQueryAttention
-from models.decoder_shape import DecoderShape, apply_rope, rope_table
+from models.decoder_shape import DecoderShape, rope_table
 from models.gemma_blocks import FourNormBlock, ScaledEmbedding, ZeroCentredRMSNorm
+from models.rope import apply_rotate_half
 
 
 @dataclass
@@ -83,7 +84,7 @@ class Block(FourNormBlock):
 
     def __init__(self, args: Gemma2Args, layer: int):
         attention = GroupedQueryAttention(
-            args.dim, args.n_heads, args.n_kv_heads, args.head_dim, apply_rope,
+            args.dim, args.n_heads, args.n_kv_heads, args.head_dim, apply_rotate_half,
             spec=args.attention_spec(layer),
         )  # fmt: skip
         super().__init__(args.dim, args.ffn_dim, args.norm_eps, attention)

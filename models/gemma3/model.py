@@ -28,8 +28,9 @@ import torch
 from models import gemma_blocks
 from models.attention import AttentionSpec
 from models.blocks import Decoder, GroupedQueryAttention
-from models.decoder_shape import DecoderShape, apply_rope
+from models.decoder_shape import DecoderShape
 from models.gemma_blocks import FourNormBlock, ScaledEmbedding, ZeroCentredRMSNorm
+from models.rope import apply_rotate_half, inverse_frequencies
 
 LOCAL, GLOBAL = 0, 1  # the rows of the stacked RoPE table
 
@@ -68,15 +69,13 @@ def rope_table(
     """[2, max_seq_len, head_dim // 2, 2]: (cos, sin) per position and frequency, row LOCAL for
     the sliding-window layers, row GLOBAL (frequencies divided by the linear scaling factor)
     for the global ones; computed in float64, kept in `dtype`."""
-    d = args.head_dim
-    exponents = torch.arange(0, d, 2, dtype=torch.float64) / d
     t = torch.arange(args.max_seq_len, dtype=torch.float64)
     rows = []
     for theta, factor in (
         (args.rope_local_theta, 1.0),
         (args.rope_theta, args.rope_scaling_factor),
     ):
-        angles = torch.outer(t, 1.0 / (theta**exponents) / factor)
+        angles = torch.outer(t, inverse_frequencies(args.head_dim, theta) / factor)
         rows.append(torch.stack([angles.cos(), angles.sin()], dim=-1))
     return torch.stack(rows).to(device=device, dtype=dtype)
 
@@ -91,7 +90,7 @@ class Attention(GroupedQueryAttention):
             window=None if global_layer else args.sliding_window,
         )
         super().__init__(
-            args.dim, args.n_heads, args.n_kv_heads, args.head_dim, apply_rope,
+            args.dim, args.n_heads, args.n_kv_heads, args.head_dim, apply_rotate_half,
             qk_norm_eps=args.norm_eps, spec=spec,
         )  # fmt: skip
         self.q_norm = ZeroCentredRMSNorm(args.head_dim, eps=args.norm_eps)

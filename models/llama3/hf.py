@@ -1,7 +1,7 @@
 """Llama 3 <-> Hugging Face `LlamaForCausalLM`: names, the Q/K RoPE row permutation, config.json.
 
-This model rotates adjacent pairs (x[2i], x[2i+1]) of each head (Meta's interleaved RoPE, see
-`apply_rope`); HF Llama rotates the halves (x[i], x[i + head_dim/2]). The same attention is
+This model rotates adjacent pairs (x[2i], x[2i+1]) of each head (Meta's interleaved RoPE,
+`models/rope.py`); HF Llama rotates the halves (x[i], x[i + head_dim/2]). The same attention is
 obtained by reordering the rows of wq and wk within each head: HF row r*head_dim/2 + i is
 Meta row 2i + r. Everything else maps one to one by name.
 """

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from models.blocks import Decoder, FeedForward, GroupedQueryAttention, PreNormBlock
-from models.numerics import at_least_float32
+from models.rope import apply_interleaved, cos_sin_table, inverse_frequencies, llama3_scaled
 
 
 @dataclass
@@ -71,52 +71,28 @@ class ModelArgs:
 
 
 def rope_frequencies(args: ModelArgs, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse frequencies theta^(-2i/d), with Llama 3.1 scaling of the low frequencies
-    (computed in float64, returned in `dtype`)."""
-    d = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    """Inverse frequencies theta^(-2i/d), with Llama 3.1's scaling of the low frequencies
+    (models/rope.py; computed in float64, returned in `dtype`)."""
+    inv_freq = inverse_frequencies(args.head_dim, args.rope_theta)
     if args.use_scaled_rope:
-        scale, low_ff, high_ff, old_ctx = args.rope_scaling_factor, 1.0, 4.0, 8192
-        wavelen = 2 * math.pi / inv_freq
-        low_wavelen, high_wavelen = old_ctx / low_ff, old_ctx / high_ff
-        smooth = (old_ctx / wavelen - low_ff) / (high_ff - low_ff)
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / scale, inv_freq)
-        mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
-        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / scale + smooth * inv_freq, scaled)
+        inv_freq = llama3_scaled(inv_freq, args.rope_scaling_factor)
     return inv_freq.to(dtype)
 
 
 def rope_table(
     args: ModelArgs, device: torch.device | None = None, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """[max_seq_len, head_dim // 2, 2] table of (cos, sin) per position and frequency, in
-    `dtype` (float32; float64 for a float64 model)."""
-    inv_freq = rope_frequencies(args, dtype).to(device)
-    t = torch.arange(args.max_seq_len, device=device, dtype=dtype)
-    angles = torch.outer(t, inv_freq)
-    return torch.stack([angles.cos(), angles.sin()], dim=-1)
-
-
-def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Rotates adjacent pairs (x[2i], x[2i+1]) of each head (Meta's interleaved convention).
-
-    x: [batch, seq, heads, head_dim]; table: [>= seq, head_dim // 2, 2] (positions 0, 1, ...)
-    or [batch, seq, head_dim // 2, 2] (each token's own row).
-    """
-    table = table[: x.shape[1]] if table.dim() == 3 else table
-    pairs = at_least_float32(x).unflatten(-1, (-1, 2))
-    cos = table[..., None, :, 0]
-    sin = table[..., None, :, 1]
-    a, b = pairs[..., 0], pairs[..., 1]
-    out = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1)
-    return out.flatten(-2).type_as(x)
+    """[max_seq_len, head_dim // 2, 2] (cos, sin) table in `dtype`, the angles in `dtype` as
+    Meta's reference computes them (float32; float64 for a float64 model)."""
+    inv_freq = rope_frequencies(args, dtype)
+    return cos_sin_table(inv_freq, args.max_seq_len, device, dtype, angles_in_float64=False)
 
 
 class Attention(GroupedQueryAttention):
     """Grouped-query causal self-attention, Meta's interleaved RoPE."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__(args.dim, args.n_heads, args.n_kv_heads, args.head_dim, apply_rope)
+        super().__init__(args.dim, args.n_heads, args.n_kv_heads, args.head_dim, apply_interleaved)
 
 
 class TransformerBlock(PreNormBlock):

@@ -9,7 +9,8 @@ from metrics import count_params
 from models import build_model_args
 from models.init_weights import init_weights
 from models.llama3 import ModelArgs, Transformer, flavors
-from models.llama3.model import Attention, FeedForward, apply_rope, rope_frequencies, rope_table
+from models.llama3.model import Attention, FeedForward, rope_frequencies, rope_table
+from models.rope import apply_interleaved as apply_rope
 
 
 def ref_rope(x, theta):
