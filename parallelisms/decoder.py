@@ -4,7 +4,9 @@ and this module applies, in order,
 
   expert parallel -> tensor parallel -> activation checkpointing -> compile -> data parallel
 
-to the whole model or to one pipeline stage of it (`pipeline_decoder` cuts the stages), and
+to the whole model or to one pipeline stage of it (`pipeline_decoder` cuts the stages);
+`assemble_model` is the one assembly every entry point uses (trainer, planner, memory
+breakdown): context-parallel attention first, then the pipeline split, then the above. It also
 runs the generic checks every decoder needs before any process group starts
 (`decoder_problems`).
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -27,7 +30,7 @@ from torch import nn
 from models.contract import ModelSpec
 from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.compile import apply_compile
-from parallelisms.context_parallel import attention_problems
+from parallelisms.context_parallel import apply_context_parallel, attention_problems
 from parallelisms.data_parallel import apply_data_parallel, apply_expert_zero
 from parallelisms.expert_parallel import apply_ep, replicate_experts
 from parallelisms.fsdp import FsdpUnit, embed_blocks_head_units, fsdp_mesh
@@ -113,6 +116,37 @@ def parallelize_decoder(
         units = functools.partial(decoder_fsdp_units, spec=spec, parallel_dims=parallel_dims)
         apply_data_parallel(model, parallel_dims, job_config, device_type, units)
     return model
+
+
+@dataclass
+class ModelParts:
+    """What one rank holds of a layout's model: its parts (the whole model, or its pipeline
+    stages) and, with PP, the schedule and whether the first/last stage is among them."""
+
+    parts: list[nn.Module]
+    schedule: object | None = None
+    has_first_stage: bool = True
+    has_last_stage: bool = True
+
+
+def assemble_model(
+    model: nn.Module,
+    spec: ModelSpec,
+    parallel_dims: ParallelDims,
+    job_config,
+    device: torch.device,
+    loss_fn,
+) -> ModelParts:
+    """The whole (meta-device) model -> context-parallel attention -> pipeline split ->
+    `parallelize_decoder`, in place: this rank's parts, not yet materialised. CP comes first
+    so the stages, the blocks AC recomputes and the graphs compile traces hold its gathers."""
+    if parallel_dims.cp_enabled:
+        apply_context_parallel(model, parallel_dims.dim("cp"))
+    if parallel_dims.pp_enabled:
+        return ModelParts(
+            *pipeline_decoder(model, spec, parallel_dims, job_config, device, loss_fn)
+        )
+    return ModelParts([parallelize_decoder(model, spec, parallel_dims, job_config, device.type)])
 
 
 def pipeline_decoder(

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from models.mixed_precision import in_weight_dtype, mixed_precision_dtypes
-from parallelisms.decoder import parallelize_decoder, pipeline_decoder
+from parallelisms.decoder import assemble_model
 from parallelisms.parallel_dims import ParallelDims
 from planning.communication import Experts
 from planning.memory import GIB, layer_attention_specs, rank_activations
@@ -259,16 +259,12 @@ def _activation_formula(scores_stored: bool) -> str:
 
 
 def _parallelized_parts(spec, model_args, cfg, dims: ParallelDims) -> list[nn.Module]:
-    """The model parts this rank holds after the trainer's parallelize (or pipeline) step,
-    on the meta device; needs the rank's process group and `dims`' mesh."""
+    """The model parts this rank holds after the trainer's assembly (`assemble_model`), on
+    the meta device; needs the rank's process group and `dims`' mesh."""
     with torch.device("meta"):
         model = in_weight_dtype(spec.model_cls(model_args), cfg.training)
-    if dims.pp_enabled:
-        parts, _, _, _ = pipeline_decoder(
-            model, spec, dims, cfg, torch.device("meta"), lambda out, target: out.sum()
-        )
-        return parts
-    return [parallelize_decoder(model, spec, dims, cfg, "cpu")]
+    meta = torch.device("meta")
+    return assemble_model(model, spec, dims, cfg, meta, lambda out, target: out.sum()).parts
 
 
 def simulate(
@@ -285,9 +281,8 @@ def simulate(
     """Per-rank memory of `cfg`'s layout on `world_size` ranks of `device_type` devices.
 
     Each simulated rank joins a fresh `fake` process group (FakeStore) as that rank, builds
-    the mesh, builds `spec.model_cls(model_args)` on the meta device and applies
-    `parallelize_decoder` (or `pipeline_decoder` when pipeline_parallel_degree > 1), exactly
-    what the trainer does. Default ranks: the first rank of the first, second and last
+    the mesh, builds `spec.model_cls(model_args)` on the meta device and assembles it with
+    `assemble_model`, exactly what the trainer does. Default ranks: the first rank of the first, second and last
     pipeline stage (`all_stages`: of every stage); the other ranks of a stage hold the same
     sizes up to shard rounding, and middle stages lie between the first two in activations.
     `scores_stored`: count the s x s attention scores (an unfused attention kernel).

@@ -97,7 +97,7 @@ def training_step(cfg, dims, device):
     def loss_fn(logits, labels):
         return cross_entropy_sum(logits, labels) / tokens
 
-    parts, _, _, _ = build_model_parts(cfg, dims, model_args, device, loss_fn)
+    parts = build_model_parts(cfg, dims, model_args, device, loss_fn).parts
     optimizer = build_optimizer(parts, cfg.optimizer, device.type, no_decay_patterns(cfg))
     loss_context, autocast = layout_forward_contexts(cfg, dims, device.type)
     setup = StepSetup(

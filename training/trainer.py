@@ -24,8 +24,7 @@ from models import get_model_spec, model_args_for
 from models.init_weights import materialize
 from models.mixed_precision import in_weight_dtype, mixed_precision_dtypes, weight_dtype
 from parallelisms.compile import key_compile_caches_to_rank, maybe_compile_loss
-from parallelisms.context_parallel import apply_context_parallel
-from parallelisms.decoder import parallelize_decoder, pipeline_decoder
+from parallelisms.decoder import ModelParts, assemble_model
 from parallelisms.layout_record import built_layout, summarize, write_layout
 from parallelisms.parallel_dims import ParallelDims, log_mesh
 from planning.memory import layer_attention_specs
@@ -65,31 +64,18 @@ def meta_model(cfg: JobConfig, model_args) -> nn.Module:
     return in_weight_dtype(model, cfg.training)
 
 
-def build_model_parts(cfg, parallel_dims, model_args, device, loss_fn, model=None):
-    """Model on meta -> (CP attention) -> (pipeline split) -> parallelize -> materialise ->
-    re-tie -> init. `model`: the whole meta model when the caller built it already (to count
-    its parameters before the split and sharding); it is then split or parallelized in place.
-
-    Returns (model_parts, pp_schedule, has_first_stage, has_last_stage).
-    """
-    spec = get_model_spec(cfg.model.name)
+def build_model_parts(cfg, parallel_dims, model_args, device, loss_fn, model=None) -> ModelParts:
+    """This rank's materialised, initialised model parts: `assemble_model` on the meta model,
+    then materialise -> re-tie -> init. `model`: the whole meta model when the caller built it
+    already (to count its parameters before the split and sharding)."""
     if model is None:
         model = meta_model(cfg, model_args)
-    if parallel_dims.cp_enabled:
-        # First: the attention cores gather the sequence over "cp"; the stages, blocks that
-        # AC recomputes and compile traces then contain the gathers.
-        apply_context_parallel(model, parallel_dims.dim("cp"))
-    if parallel_dims.pp_enabled:
-        model_parts, schedule, first, last = pipeline_decoder(
-            model, spec, parallel_dims, cfg, device, loss_fn
-        )
-    else:
-        model_parts = [parallelize_decoder(model, spec, parallel_dims, cfg, device.type)]
-        schedule, first, last = None, True, True
+    spec = get_model_spec(cfg.model.name)
+    built = assemble_model(model, spec, parallel_dims, cfg, device, loss_fn)
     init_device = "cpu" if cfg.training.enable_cpu_offload else device
-    for part in model_parts:
+    for part in built.parts:
         materialize(part, cfg.debug.seed, device, init_device).train()
-    return model_parts, schedule, first, last
+    return built
 
 
 def forward_contexts(tp_loss_parallel: bool, autocast_dtype: torch.dtype | None, device_type: str):
@@ -168,7 +154,7 @@ def build_model(cfg, parallel_dims, model_args, device, loss_fn, rank):
     counts = param_counts(get_model_spec(cfg.model.name), model)
     attention = layer_attention_specs(model)
     built = build_model_parts(cfg, parallel_dims, model_args, device, loss_fn, model=model)
-    layout = built_layout(built[0], parallel_dims, built[1])
+    layout = built_layout(built.parts, parallel_dims, built.schedule)
     layout["parameters"] = counts.as_dict()
     if rank == 0:
         write_layout(cfg.job.dump_folder, layout)
@@ -310,16 +296,15 @@ def sequence_split(cfg: JobConfig, parallel_dims: ParallelDims) -> SequenceSplit
 
 def build_step_setup(cfg, parallel_dims, device, built, loss_fn, tokens_per_rank_step, split):
     """`StepSetup` for the model `build_model_parts` built (`built`)."""
-    model_parts, schedule, first, last = built
     loss_context, autocast = layout_forward_contexts(cfg, parallel_dims, device.type)
     return StepSetup(
         split=split,
-        model_parts=model_parts,
+        model_parts=built.parts,
         loss_fn=loss_fn,
         tokens_per_rank_step=tokens_per_rank_step,
-        pp_schedule=schedule,
-        pp_first_stage=first,
-        pp_last_stage=last,
+        pp_schedule=built.schedule,
+        pp_first_stage=built.has_first_stage,
+        pp_last_stage=built.has_last_stage,
         loss_context=loss_context,
         autocast=autocast,
     )
@@ -383,7 +368,7 @@ def build_run(cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, local_r
     fpt, peak = model_rates(cfg, model_args, counts, device, batches, dp_degree, attention)
     warn_if_warmup_too_long(cfg)
     train_loader, val_loader = build_loaders(cfg, tokenizer, dp_rank, dp_degree, dp_group)
-    model_parts = built[0]
+    model_parts = built.parts
     optimizer, lr_scheduler = build_optimizers(cfg, model_parts, device.type)
     state = TrainState()
     checkpointer = build_checkpointer(

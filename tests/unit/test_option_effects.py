@@ -165,8 +165,7 @@ def real_parts(case: Case) -> list[torch.nn.Module]:
     cfg = case.cfg
     args = model_args_for(cfg, cfg.training.seq_len, vocab(case))
     dims = ParallelDims.from_parallelism(cfg.parallelism, 1)
-    parts, *_ = build_model_parts(cfg, dims, args, torch.device("cpu"), lambda out, t: out.sum())
-    return parts
+    return build_model_parts(cfg, dims, args, torch.device("cpu"), lambda out, t: out.sum()).parts
 
 
 _BUILT: dict[tuple, Any] = {}  # built layouts by command line (the dump folder left out)
@@ -208,9 +207,8 @@ def _build_layout(case: Case, world: int):
     args = model_args_for(cfg, cfg.training.seq_len, vocab(case))
     with fake_world(world), mock.patch("torch.compile", fake_compile):
         dims.build_mesh("cpu")
-        parts, schedule, _, _ = build_model_parts(
-            cfg, dims, args, torch.device("cpu"), lambda out, t: out.sum()
-        )
+        built = build_model_parts(cfg, dims, args, torch.device("cpu"), lambda out, t: out.sum())
+        parts, schedule = built.parts, built.schedule
         view = _rank_view(parts, dims)
         view["mesh"] = {n: dims.mesh[n].size() for n in dims.mesh.mesh_dim_names or ()}
         view["schedule"] = type(schedule).__name__ if schedule is not None else None
