@@ -19,18 +19,12 @@ from models.qwen3_moe.plan import (
 # fmt: off
 flavors = {
     # 8 experts, 2 per token: small enough for the CPU parity tests, and EP 2 / 4 split it
-    "debugmodel": Qwen3MoEArgs(
-        dim=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, vocab_size=4096,
-        n_experts=8, top_k=2, moe_ffn_dim=128,
-    ),
-    "30B-A3B": Qwen3MoEArgs(
-        dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, n_experts=128, top_k=8,
-        moe_ffn_dim=768,
-    ),
-    "235B-A22B": Qwen3MoEArgs(
-        dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, n_experts=128, top_k=8,
-        moe_ffn_dim=1536,
-    ),
+    "debugmodel": Qwen3MoEArgs(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32,
+        vocab_size=4096, n_experts=8, top_k=2, moe_ffn_dim=128),
+    "30B-A3B": Qwen3MoEArgs(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4,
+        n_experts=128, top_k=8, moe_ffn_dim=768),
+    "235B-A22B": Qwen3MoEArgs(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4,
+        n_experts=128, top_k=8, moe_ffn_dim=1536),
 }
 # fmt: on
 
