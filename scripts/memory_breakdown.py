@@ -78,12 +78,12 @@ def training_step(cfg, dims, device):
 
     from models import model_args_for
     from training.inputs import sequence_inputs
-    from training.loss import cross_entropy_sum
+    from training.loss import StepLoss, cross_entropy_sum
     from training.optimizer import build_optimizer, no_decay_patterns
-    from training.step import StepSetup, clip_grad_norm_, train_step
+    from training.step import clip_grad_norm_, train_step
     from training.trainer import (
         build_model_parts,
-        layout_forward_contexts,
+        build_step_setup,
         load_tokenizer,
         sequence_split,
     )
@@ -92,22 +92,11 @@ def training_step(cfg, dims, device):
     tokenizer = load_tokenizer(cfg)
     model_args = model_args_for(cfg, t.seq_len, tokenizer.vocab_size)
     split = sequence_split(cfg, dims)  # this rank's CP shard of each sequence
-    tokens = t.local_batch_size * t.seq_len // dims.cp
-
-    def loss_fn(logits, labels):
-        return cross_entropy_sum(logits, labels) / tokens
-
-    parts = build_model_parts(cfg, dims, model_args, device, loss_fn).parts
+    loss_fn = StepLoss(cross_entropy_sum)
+    built = build_model_parts(cfg, dims, model_args, device, loss_fn)
+    parts = built.parts
     optimizer = build_optimizer(parts, cfg.optimizer, device.type, no_decay_patterns(cfg))
-    loss_context, autocast = layout_forward_contexts(cfg, dims, device.type)
-    setup = StepSetup(
-        model_parts=parts,
-        loss_fn=loss_fn,
-        tokens_per_rank_step=tokens,
-        loss_context=loss_context,
-        autocast=autocast,
-        split=split,
-    )
+    setup = build_step_setup(cfg, dims, device, built, loss_fn, split)
     params = [p for part in parts for p in part.parameters()]
     # the CP ranks of one data-parallel replica hold shards of the same sequences
     gen = torch.Generator().manual_seed(cfg.debug.seed + dims.coordinate("dp")[0])

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from models.numerics import at_least_float32, at_least_float32_dtype
 from training.inputs import SequenceSplit
+from training.loss import StepLoss, labelled_tokens
 
 
 @dataclass
@@ -21,10 +22,8 @@ class StepSetup:
     """What `train_step` needs besides the batch; built once by the trainer."""
 
     model_parts: list[nn.Module]
-    # Token-loss sum divided by this rank's tokens per optimizer step: the micro-steps' terms
-    # add up to this rank's mean, and averaging gradients over DP ranks gives the global mean.
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    tokens_per_rank_step: int  # tokens this rank sees per optimizer step (all micro-steps)
+    # the token-loss sum over the step's global token count (`train_step` sets the count)
+    loss_fn: StepLoss
     pp_schedule: object | None = None  # a torch.distributed.pipelining schedule
     pp_first_stage: bool = True
     pp_last_stage: bool = True
@@ -84,6 +83,9 @@ def train_step(setup: StepSetup, microbatches: list[tuple[torch.Tensor, torch.Te
     # the loss join the logged loss's all-reduce with this zero, and need the same dtype
     weights = next(setup.model_parts[0].parameters()).dtype
     total = torch.zeros((), device=microbatches[0][0].device, dtype=at_least_float32_dtype(weights))
+    setup.loss_fn.per_rank_tokens = mean_over_ranks(
+        sum(labelled_tokens(labels) for _, labels, _ in microbatches).to(total.dtype)
+    )
     for i, (inputs, labels, kwargs) in enumerate(microbatches):
         sync = i == len(microbatches) - 1
         with setup.loss_context():
@@ -148,6 +150,18 @@ def clip_grad_norm_(
         for params in groups.values():
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
     return norm
+
+
+def mean_over_ranks(count: torch.Tensor) -> torch.Tensor:
+    """A per-rank count's mean over all ranks, on the device (no host sync): for the step's
+    labelled tokens, the global count over the data-parallel x context-parallel ranks divided
+    by their number (TP and pipeline ranks hold copies of their group's labels, which scale
+    the sum and the rank count alike)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        count = count.clone()
+        dist.all_reduce(count, op=dist.ReduceOp.SUM)
+        return count / dist.get_world_size()
+    return count
 
 
 def global_mean(value: torch.Tensor, replicas: int) -> float:

@@ -44,7 +44,7 @@ from training.loop import (
     step_error,
     train_loop,
 )
-from training.loss import cross_entropy_sum
+from training.loss import StepLoss, cross_entropy_sum
 from training.optimizer import build_lr_scheduler, build_optimizer, no_decay_patterns
 from training.preflight import param_counts
 from training.step import StepSetup
@@ -134,15 +134,10 @@ def batch_sizes(cfg: JobConfig, dp_degree: int, cp: int = 1) -> BatchSizes:
     return BatchSizes(global_batch, accum_steps, tokens)
 
 
-def step_loss_fn(cfg: JobConfig, tokens_per_rank_step: int):
-    """The loss `train_step` backpropagates: the token-loss sum over this rank's tokens per
-    optimizer step (see `StepSetup.loss_fn`)."""
-    token_loss_sum = maybe_compile_loss(cross_entropy_sum, cfg.compile)
-
-    def step_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return token_loss_sum(logits, labels) / tokens_per_rank_step
-
-    return step_loss
+def step_loss_fn(cfg: JobConfig) -> StepLoss:
+    """The loss `train_step` backpropagates: the (maybe compiled) token-loss sum over the
+    step's global token count (see `StepLoss`)."""
+    return StepLoss(maybe_compile_loss(cross_entropy_sum, cfg.compile))
 
 
 def build_model(cfg, parallel_dims, model_args, device, loss_fn, rank):
@@ -294,14 +289,13 @@ def sequence_split(cfg: JobConfig, parallel_dims: ParallelDims) -> SequenceSplit
     return SequenceSplit(cp_rank, cp, cfg.training.document_mask, positions=pp > 1)
 
 
-def build_step_setup(cfg, parallel_dims, device, built, loss_fn, tokens_per_rank_step, split):
+def build_step_setup(cfg, parallel_dims, device, built, loss_fn, split):
     """`StepSetup` for the model `build_model_parts` built (`built`)."""
     loss_context, autocast = layout_forward_contexts(cfg, parallel_dims, device.type)
     return StepSetup(
         split=split,
         model_parts=built.parts,
         loss_fn=loss_fn,
-        tokens_per_rank_step=tokens_per_rank_step,
         pp_schedule=built.schedule,
         pp_first_stage=built.has_first_stage,
         pp_last_stage=built.has_last_stage,
@@ -362,7 +356,7 @@ def build_run(cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, local_r
     tokenizer = load_tokenizer(cfg)
     model_args = model_args_for(cfg, t.seq_len, tokenizer.vocab_size)
     batches = batch_sizes(cfg, dp_degree, parallel_dims.cp)
-    step_loss = step_loss_fn(cfg, batches.tokens_per_rank_step)
+    step_loss = step_loss_fn(cfg)
     rss_before_model = process_rss_gib() if device.type == "cpu" else None
     built, counts, attention = build_model(cfg, parallel_dims, model_args, device, step_loss, rank)
     fpt, peak = model_rates(cfg, model_args, counts, device, batches, dp_degree, attention)
@@ -375,9 +369,7 @@ def build_run(cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, local_r
         cfg, parallel_dims, model_parts, optimizer, lr_scheduler, train_loader, state
     )
     split = sequence_split(cfg, parallel_dims)
-    setup = build_step_setup(
-        cfg, parallel_dims, device, built, step_loss, batches.tokens_per_rank_step, split
-    )
+    setup = build_step_setup(cfg, parallel_dims, device, built, step_loss, split)
     routing = scaled_routing(cfg, model_parts, batches.tokens_per_rank_step)
     set_collective_timeout(cfg.comm.train_timeout_seconds)
     metrics, profiler, snapshot, phases = build_observers(cfg, rank, device, state.step)

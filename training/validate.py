@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from training.inputs import sequence_inputs
-from training.loss import cross_entropy_sum
+from training.loss import cross_entropy_sum, labelled_tokens
 from training.step import pipeline_call
 
 
@@ -37,9 +37,11 @@ def evaluate(setup, loader, steps: int, device: torch.device, micro_batches: int
     (each CP rank its shard of them).
 
     Loss and token sums are added over all ranks; TP copies scale both equally, and only
-    the stage that computes the loss counts tokens, so the ratio is the global mean."""
+    the stage that computes the loss counts tokens, so the ratio is the global mean. A
+    pipeline schedule's loss is the step's `StepLoss`, set here to the plain sum."""
     for part in setup.model_parts:
         part.eval()
+    setup.loss_fn.per_rank_tokens = 1.0
     total = torch.zeros(2, device=device, dtype=torch.float64)  # (loss sum, tokens)
     for batch in itertools.chain.from_iterable(global_batches(loader, micro_batches, steps)):
         inputs, labels, *documents = (t.to(device) for t in batch)
@@ -52,10 +54,9 @@ def evaluate(setup, loader, steps: int, device: torch.device, micro_batches: int
                 args, target, losses = pipeline_call(setup, inputs, labels)
                 setup.pp_schedule.eval(*args, target=target, losses=losses, **kwargs)
                 if setup.pp_last_stage:
-                    # The schedule's loss is scaled by the tokens of one training step.
-                    total[0] += torch.stack(losses).sum().double() * setup.tokens_per_rank_step
+                    total[0] += torch.stack(losses).sum().double()
         if setup.pp_last_stage:
-            total[1] += labels.numel()
+            total[1] += labelled_tokens(labels)
     for part in setup.model_parts:
         part.train()
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -1,5 +1,6 @@
 """Parallelism units on 2 real gloo ranks (spawned processes, one spawn for all checks): ZeRO-1/2
-state and registration, FSDP2's units, the global gradient norm over mixed meshes."""
+state and registration, FSDP2's units, the global gradient norm over mixed meshes, the step's
+loss over the global count of labelled tokens."""
 
 from __future__ import annotations
 
@@ -134,6 +135,8 @@ def _two_rank_checks(rank: int, world: int) -> None:
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
 
+    _step_loss_over_the_global_token_count(rank, world, mesh, args)
+
     # Gradient norm over a mix: plain tensors, DTensor shards, and replicated DTensors.
     g = torch.Generator().manual_seed(0)
     fulls = [torch.randn(6, 3, generator=g) for _ in range(3)]
@@ -152,6 +155,33 @@ def _two_rank_checks(rank: int, world: int) -> None:
     clipped = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in params]
     total = torch.linalg.vector_norm(torch.stack([c.norm() for c in clipped]))
     torch.testing.assert_close(total, torch.tensor(0.5), rtol=1e-4, atol=0)
+
+
+def _step_loss_over_the_global_token_count(rank, world, mesh, args) -> None:
+    """`train_step` on ZeRO-2 (its gradients averaged over the ranks), two micro-batches per
+    rank with unequal numbers of ignored labels: the logged loss and the gradients are those of
+    one process's mean over every labelled token of both ranks. Dividing by the micro-batch's,
+    this rank's or all (ignored too) tokens weighs tokens unequally."""
+    import torch.nn.functional as F
+
+    from parallelisms.zero import apply_zero
+    from training.loss import IGNORE_INDEX, StepLoss
+    from training.step import StepSetup, global_mean, train_step
+
+    xs, ys = zip(*(batch(2, seed=10 + r) for r in range(world)))
+    ys[0][1, -2:] = IGNORE_INDEX
+    ys[1][0, 3:] = IGNORE_INDEX
+    ys[1][1, :5] = IGNORE_INDEX
+    ref = tiny_model(args)
+    logits = torch.cat([ref(x) for x in xs]).flatten(0, 1)
+    want_loss = F.cross_entropy(logits, torch.cat(ys).flatten(), ignore_index=IGNORE_INDEX)
+    want_loss.backward()
+    model = tiny_model(args, lambda m: apply_zero(m, mesh, 2))
+    micro = [(xs[rank][i : i + 1], ys[rank][i : i + 1], {}) for i in range(2)]
+    loss = train_step(StepSetup([model], StepLoss(cross_entropy_sum)), micro)
+    torch.testing.assert_close(global_mean(loss, world), want_loss.item())
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
 
 
 def test_distributed_units_two_ranks():

@@ -21,6 +21,7 @@ ATTN = "tests/unit/test_attention.py"
 GEMMA2_LOGITS = "tests/unit/test_gemma2.py::test_logits_match_transformers"
 GEMMA3_LOGITS = "tests/unit/test_gemma3.py::test_gemma3_logits_match_transformers"
 HF_STREAM = "tests/unit/test_hf_stream.py"
+DIST_UNITS = "tests/integration/test_distributed_units.py"
 HF_LOAD = (
     "tests/integration/test_checkpoint_train.py::test_hf_folder_loads_directly_into_a_sharded_run"
 )
@@ -93,12 +94,11 @@ MUTANTS = [
     ),
     Mutant(
         "loss_over_local_tokens_under_accumulation",
-        "loss divided by the micro-batch's tokens instead of the optimizer step's",
-        "training/trainer.py",
-        "return token_loss_sum(logits, labels) / tokens_per_rank_step",
-        "return token_loss_sum(logits, labels) / (cfg.training.local_batch_size * "
-        "cfg.training.seq_len)",
-        (f"{PARITY}[zero2_2_accum_ac_sel2]",),
+        "loss divided by the last micro-batch's tokens instead of the optimizer step's",
+        "training/step.py",
+        "sum(labelled_tokens(labels) for _, labels, _ in microbatches)",
+        "labelled_tokens(microbatches[-1][1])",
+        (f"{PARITY}[zero2_2_accum_ac_sel2]", DIST_UNITS),
     ),
     Mutant(
         "dp_offset_off_by_one",
@@ -615,5 +615,22 @@ MUTANTS = [
             "test_a_transposed_gradient_steps_like_a_contiguous_one",
             f"{FP64_PARITY}[moe_tp2_pp2_zero_bubble]",
         ),
+    ),
+    Mutant(
+        "step_tokens_of_this_rank",
+        "the loss divided by this rank's labelled tokens, not the mean over the ranks of the "
+        "step's global count (ranks with more ignored labels weigh their tokens more)",
+        "training/step.py",
+        "        dist.all_reduce(count, op=dist.ReduceOp.SUM)\n        return count / dist.get_world_size()",
+        "        return count",
+        (DIST_UNITS,),
+    ),
+    Mutant(
+        "ignored_labels_counted",
+        "the step's token count includes labels the loss ignores (IGNORE_INDEX)",
+        "training/loss.py",
+        "return (labels != IGNORE_INDEX).sum()",
+        "return labels.new_tensor(labels.numel())",
+        (DIST_UNITS,),
     ),
 ]

@@ -14,7 +14,7 @@ from job_config import parse_args
 from models import get_model_spec, model_args_for
 from models.init_weights import materialize
 from models.mixed_precision import in_weight_dtype, mixed_precision_dtypes, weight_dtype
-from training.loss import cross_entropy_sum
+from training.loss import StepLoss, cross_entropy_sum
 from training.step import StepSetup, clip_grad_norm_, train_step
 
 F64 = ["--training.mixed_precision_param", "float64"]
@@ -89,6 +89,6 @@ def test_train_step_returns_the_float64_loss():
     model = _model(parse_args([*TINY, *F64]))
     tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
     micro = [(tokens[:1, :-1], tokens[:1, 1:], {}), (tokens[1:, :-1], tokens[1:, 1:], {})]
-    loss = train_step(StepSetup([model], cross_entropy_sum, 32), micro)
-    want = sum(cross_entropy_sum(model(x), y).detach() for x, y, _ in micro)
+    loss = train_step(StepSetup([model], StepLoss(cross_entropy_sum)), micro)
+    want = sum(cross_entropy_sum(model(x), y).detach() for x, y, _ in micro) / 32  # exact: 2^5
     assert loss.dtype == torch.float64 and loss.item() == want.item()

@@ -339,9 +339,7 @@ def first_weights(case: Case) -> float:
 
 def compiled_loss(case: Case) -> bool:
     """Whether the loss `build_run` backpropagates goes through torch.compile."""
-    fn = step_loss_fn(case.cfg, 1)
-    cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__)))
-    return hasattr(cells["token_loss_sum"], "_torchdynamo_orig_callable")
+    return hasattr(step_loss_fn(case.cfg).token_loss_sum, "_torchdynamo_orig_callable")
 
 
 def moe_coefficients(case: Case) -> tuple:

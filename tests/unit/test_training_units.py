@@ -9,7 +9,7 @@ from job_config import parse_args
 from models import get_model_spec
 from models.init_weights import init_weights
 from models.llama3 import ModelArgs, Transformer
-from training.loss import cross_entropy_sum
+from training.loss import StepLoss, cross_entropy_sum
 from training.optimizer import (
     build_lr_scheduler,
     build_optimizer,
@@ -132,12 +132,7 @@ def _run_steps(batch_split, steps=3):
     m = _tiny_model()
     cfg = parse_args(["--optimizer.lr", "0.01"])
     opt = build_optimizer([m], cfg.optimizer, "cpu", no_decay_patterns(cfg))
-    tokens = 8 * 16
-    setup = StepSetup(
-        model_parts=[m],
-        loss_fn=lambda lg, lb: cross_entropy_sum(lg, lb) / tokens,
-        tokens_per_rank_step=tokens,
-    )
+    setup = StepSetup(model_parts=[m], loss_fn=StepLoss(cross_entropy_sum))
     losses = []
     for s in range(steps):
         micro = [(c[:, :-1], c[:, 1:], {}) for c in data[s].split(batch_split)]
@@ -172,7 +167,7 @@ def test_clip_grad_norm_returns_total_norm_and_clips():
 
 def test_autocast_covers_forward_and_loss_but_not_backward():
     from models.llama3 import ModelArgs, Transformer
-    from training.loss import cross_entropy_sum
+    from training.loss import StepLoss, cross_entropy_sum
     from training.step import StepSetup, train_step
     from training.trainer import forward_contexts
 
@@ -194,7 +189,9 @@ def test_autocast_covers_forward_and_loss_but_not_backward():
         out.register_hook(lambda g: seen.update(backward=torch.is_autocast_enabled("cpu")))
 
     model.output.register_forward_hook(watch)
-    setup = StepSetup([model], cross_entropy_sum, 16, loss_context=loss_context, autocast=autocast)
+    setup = StepSetup(
+        [model], StepLoss(cross_entropy_sum), loss_context=loss_context, autocast=autocast
+    )
     x = torch.randint(0, 64, (2, 8))
     train_step(setup, [(x, x, {})])
     assert seen == {"logits": torch.bfloat16, "backward": False}
