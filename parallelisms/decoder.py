@@ -4,11 +4,10 @@ and this module applies, in order,
 
   expert parallel -> tensor parallel -> activation checkpointing -> compile -> data parallel
 
-to the whole model or to one pipeline stage of it (`pipeline_decoder` cuts the stages);
-`assemble_model` is the one assembly every entry point uses (trainer, planner, memory
-breakdown): context-parallel attention first, then the pipeline split, then the above. It also
-runs the generic checks every decoder needs before any process group starts
-(`decoder_problems`).
+to the whole model or to one pipeline stage of it. `assemble_model` is the one assembly every
+entry point uses (trainer, planner, memory breakdown): context-parallel attention first, then
+the pipeline cut, then the above. It also runs the generic checks every decoder needs before
+any process group starts (`decoder_problems`).
 
 Why this order: TP turns weights into tp-sharded DTensors that FSDP then shards on the data
 dims, and its collectives belong inside the blocks that AC recomputes and compile traces; AC
@@ -137,46 +136,32 @@ def assemble_model(
     device: torch.device,
     loss_fn,
 ) -> ModelParts:
-    """The whole (meta-device) model -> context-parallel attention -> pipeline split ->
-    `parallelize_decoder`, in place: this rank's parts, not yet materialised. CP comes first
-    so the stages, the blocks AC recomputes and the graphs compile traces hold its gathers."""
+    """The whole (meta-device) model -> context-parallel attention -> pipeline split (the
+    planned layers, the embeddings on the first stage, the head on the last) ->
+    `parallelize_decoder` on the whole model or each stage, in place: this rank's parts, not
+    yet materialised. CP comes first so the stages, the blocks AC recomputes and the graphs
+    compile traces hold its gathers."""
     if parallel_dims.cp_enabled:
         apply_context_parallel(model, parallel_dims.dim("cp"))
-    if parallel_dims.pp_enabled:
-        return ModelParts(
-            *pipeline_decoder(model, spec, parallel_dims, job_config, device, loss_fn)
-        )
-    return ModelParts([parallelize_decoder(model, spec, parallel_dims, job_config, device.type)])
-
-
-def pipeline_decoder(
-    model: nn.Module,
-    spec: ModelSpec,
-    parallel_dims: ParallelDims,
-    job_config,
-    device: torch.device,
-    loss_fn,
-):
-    """This rank's pipeline stages, each parallelized like the whole model, and the schedule:
-    the planned layers, the embeddings on the first stage, the head on the last.
-
-    Returns (model_parts, schedule, has_first_stage, has_last_stage)."""
-    names = stage_module_names(
-        len(model.layers), job_config.parallelism, spec.embeddings, spec.head
+    parallelize = functools.partial(
+        parallelize_decoder,
+        spec=spec,
+        parallel_dims=parallel_dims,
+        job_config=job_config,
+        device_type=device.type,
     )
-    parts, schedule, first, last = build_pipeline(
-        model,
-        parallel_dims,
-        job_config,
-        device,
-        loss_fn,
-        names,
-        lambda m: parallelize_decoder(m, spec, parallel_dims, job_config, device.type),
+    if not parallel_dims.pp_enabled:
+        return ModelParts([parallelize(model)])
+    p = job_config.parallelism
+    names = stage_module_names(len(model.layers), p, spec.embeddings, spec.head)
+    built = ModelParts(
+        *build_pipeline(model, parallel_dims, job_config, device, loss_fn, names, parallelize)
     )
     if spec.routing is not None:
+        schedule = built.schedule
         for stage in getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]:
             _uncounted_metadata_forward(stage, spec.routing)
-    return parts, schedule, first, last
+    return built
 
 
 _METADATA_FORWARDS = ("_forward_metadata_inference", "_shape_inference")
