@@ -28,6 +28,7 @@ shard is a redundant copy (with bf16 it plays the paper's fp32 master weights, w
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -36,17 +37,21 @@ from parallelisms.fsdp import FsdpUnit, apply_fsdp, fsdp_mesh
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.zero import apply_zero
 
+if TYPE_CHECKING:
+    from job_config.schema import Parallelism, Training
+
 
 def apply_data_parallel(
     model: nn.Module,
     parallel_dims: ParallelDims,
-    job_config,
+    t: Training,
+    p: Parallelism,
     device_type: str,
     fsdp_units: Callable[[nn.Module], list[FsdpUnit]],
 ) -> nn.Module:
-    """Applies `parallelism.zero_stage` over the data-parallel mesh (see the module doc);
-    `fsdp_units(model)` gives the family's FSDP units for stage 3."""
-    t, p = job_config.training, job_config.parallelism
+    """Applies `parallelism.zero_stage` over the data-parallel mesh (see the module doc) with
+    the `[training]` section's precision and offload; `fsdp_units(model)` gives the family's
+    FSDP units for stage 3."""
     param_dtype, reduce_dtype = mixed_precision_dtypes(t, device_type)
     stage = parallel_dims.zero_stage
     if stage == 3:
@@ -76,14 +81,14 @@ def apply_data_parallel(
 
 
 def apply_expert_zero(
-    experts: nn.Module, parallel_dims: ParallelDims, job_config, device_type: str
+    experts: nn.Module, parallel_dims: ParallelDims, t: Training, device_type: str
 ) -> nn.Module:
     """ZeRO stages 0-2 for expert-parallel experts (DTensors on "ep", from `apply_ep`), applied
     before `apply_data_parallel`: replicated over the ranks outside EP ("dp_shard_mod_ep"),
     their gradients averaged there but divided by the whole DP x CP degree (they hold the sum
     over the EP group's tokens), stages 1-2 splitting each rank's experts over those ranks
     (masters on ("dp_shard_mod_ep", "ep"), FSDP2's layout of the experts)."""
-    param_dtype, reduce_dtype = mixed_precision_dtypes(job_config.training, device_type)
+    param_dtype, reduce_dtype = mixed_precision_dtypes(t, device_type)
     mesh = parallel_dims.mesh
     return apply_zero(
         experts,

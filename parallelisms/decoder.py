@@ -110,10 +110,10 @@ def parallelize_decoder(
         apply_compile(model, spec.compile_module or None)
     if spec.routing is not None and parallel_dims.ep_enabled and parallel_dims.zero_stage < 3:
         for experts in spec.routing.experts([model]).values():  # own meshes, before the rest
-            apply_expert_zero(experts, parallel_dims, job_config, device_type)
+            apply_expert_zero(experts, parallel_dims, job_config.training, device_type)
     if parallel_dims.data_parallel_enabled:
         units = functools.partial(decoder_fsdp_units, spec=spec, parallel_dims=parallel_dims)
-        apply_data_parallel(model, parallel_dims, job_config, device_type, units)
+        apply_data_parallel(model, parallel_dims, job_config.training, p, device_type, units)
     return model
 
 
@@ -152,10 +152,10 @@ def assemble_model(
     )
     if not parallel_dims.pp_enabled:
         return ModelParts([parallelize(model)])
-    p = job_config.parallelism
+    p, batch = job_config.parallelism, job_config.training.local_batch_size
     names = stage_module_names(len(model.layers), p, spec.embeddings, spec.head)
     built = ModelParts(
-        *build_pipeline(model, parallel_dims, job_config, device, loss_fn, names, parallelize)
+        *build_pipeline(model, parallel_dims, p, batch, device, loss_fn, names, parallelize)
     )
     if spec.routing is not None:
         schedule = built.schedule

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,9 @@ from torch.distributed.tensor import DTensor
 
 from job_config.problems import Problems
 from parallelisms.parallel_dims import ParallelismError
+
+if TYPE_CHECKING:
+    from job_config.schema import Parallelism
 
 # Schedules whose stages sit on ranks in a V (rank r holds stages r and 2*pp - 1 - r), so the
 # first and last stage share rank 0; every other multi-stage schedule loops (stage s on s % pp).
@@ -446,24 +450,25 @@ def stage_module_names(
 def build_pipeline(
     model: nn.Module,
     parallel_dims,
-    job_config,
+    p: Parallelism,
+    local_batch_size: int,
     device: torch.device,
     loss_fn,
     names: list[list[str]],
     parallelize: Callable[[nn.Module], nn.Module],
 ):
     """Splits the meta-device model into this rank's stages (`names` per stage), parallelizes
-    each over the other mesh dimensions, and builds the schedule.
+    each over the other mesh dimensions, and builds the `[parallelism]` section's schedule
+    over microbatches of the `local_batch_size` sequences.
 
     Returns (model_parts, schedule, has_first_stage, has_last_stage)."""
-    p = job_config.parallelism
     pp_mesh = parallel_dims.dim("pp")
     pp = pp_mesh.size()
     cls = schedule_class(p.pipeline_parallel_schedule)
     stage_ids = stage_ids_for_rank(pp_mesh.get_local_rank(), pp, len(names), is_v_schedule(cls))
     n_micro = microbatch_count(
         p.pipeline_parallel_schedule,
-        job_config.training.local_batch_size,
+        local_batch_size,
         p.pipeline_parallel_microbatch_size,
         pp,
         len(names),
