@@ -332,13 +332,13 @@ MUTANTS = [
         (f"{CP_PARITY}[llama_cp2_fsdp2_ac]",),
     ),
     Mutant(
-        "cp_loss_over_whole_sequences",
-        "CP: each rank divides its loss by the whole sequences' token count, not its own "
-        "(the global mean comes out cp times too small)",
+        "cp_aux_loss_over_whole_sequences",
+        "CP: each rank scales its MoE layers' auxiliary losses (token sums) by the whole "
+        "sequences' token count, not its own (the balancing loss comes out cp times too small)",
         "training/trainer.py",
         "tokens = t.local_batch_size * (t.seq_len // cp) * accum_steps",
         "tokens = t.local_batch_size * t.seq_len * accum_steps",
-        (f"{CP_PARITY}[llama_cp4_accum]",),
+        (f"{CP_PARITY}[moe_cp2_doc]",),
     ),
     Mutant(
         "fp64_loss_in_float32",
