@@ -31,6 +31,8 @@ hold as many tokens.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -143,12 +145,14 @@ _ATTENTION_FUNCTIONS = (F.scaled_dot_product_attention, flex_attention)
 
 def _own_attention(model: nn.Module, seq_len: int) -> dict[str, str]:
     """{module name: what it does} for attention computed outside the shared core, found by
-    one forward of `model` (on the meta device: shapes only) that records each
-    attention call (SDPA, FlexAttention) and the innermost module it came from. A forward that
-    a meta tensor cannot run (data-dependent shapes, such as MoE routing) stops there; what ran
-    until then is still checked."""
+    one forward of `model` (on the meta device: shapes only) that records each attention call
+    (SDPA, FlexAttention) and the innermost module it came from. Where a module cannot run on
+    meta tensors (data-dependent shapes, such as MoE routing's expert counts), the check goes
+    on with the failing block's later siblings (the decoder's next layers), each given the
+    inputs the failing one got; a sibling that fails too has been checked up to that point."""
     stack: list[str] = []
     found: dict[str, str] = {}
+    inputs: dict[str, tuple] = {}
 
     class Recorder(torch.overrides.TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -159,24 +163,53 @@ def _own_attention(model: nn.Module, seq_len: int) -> dict[str, str]:
             return func(*args, **(kwargs or {}))
 
     def enter(name: str):
-        return lambda module, args: stack.append(name)  # None: the inputs stay as they are
+        def hook(module, args, kwargs):
+            stack.append(name)
+            inputs[name] = (args, kwargs)
+
+        return hook
 
     def leave(module, args, output) -> None:
         stack.pop()
 
     handles = []
     for name, module in model.named_modules():
-        handles.append(module.register_forward_pre_hook(enter(name)))
+        handles.append(module.register_forward_pre_hook(enter(name), with_kwargs=True))
         handles.append(module.register_forward_hook(leave))
     try:
         with Recorder():
-            model(torch.zeros(1, seq_len, dtype=torch.long, device="meta"))
-    except (NotImplementedError, RuntimeError):
-        pass  # an op without a meta kernel: the calls made before it were recorded
+            tokens = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
+            if not _ran(lambda: model(tokens)):
+                for sibling, args, kwargs in _later_siblings(model, list(stack), inputs):
+                    stack.clear()
+                    _ran(functools.partial(sibling, *args, **kwargs))
     finally:
         for handle in handles:
             handle.remove()
     return found
+
+
+def _ran(forward) -> bool:
+    """Whether `forward()` ran on meta tensors (False: an op without a meta kernel)."""
+    try:
+        forward()
+    except (NotImplementedError, RuntimeError):
+        return False
+    return True
+
+
+def _later_siblings(model: nn.Module, failed: list[str], inputs: dict[str, tuple]):
+    """(module, args, kwargs) for the siblings after the innermost module of `failed` (the
+    modules entered and not left when a forward raised) that sits in a ModuleDict/ModuleList,
+    each with that module's inputs (a decoder's blocks take one another's)."""
+    for name in reversed(failed):
+        parent_name, _, _ = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        if name and isinstance(parent, (nn.ModuleDict, nn.ModuleList)):
+            names = [f"{parent_name}.{n}" if parent_name else n for n, _ in parent.named_children()]
+            args, kwargs = inputs[name]
+            return [(model.get_submodule(n), args, kwargs) for n in names[names.index(name) + 1 :]]
+    return []
 
 
 def attention_problems(model: nn.Module, seq_len: int) -> list[str]:

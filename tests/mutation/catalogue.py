@@ -633,4 +633,13 @@ MUTANTS = [
         "return labels.new_tensor(labels.numel())",
         (DIST_UNITS,),
     ),
+    Mutant(
+        "cp_check_stops_at_routing",
+        "the CP attention check stops where MoE routing leaves the meta device (layer 0's "
+        "experts): later layers that compute attention themselves are never seen",
+        "parallelisms/context_parallel.py",
+        "in _later_siblings(model, list(stack), inputs):",
+        "in []:",
+        (f"{CP_UNIT}::test_the_check_reaches_the_layers_after_a_routing_layer",),
+    ),
 ]

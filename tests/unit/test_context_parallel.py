@@ -179,6 +179,23 @@ def test_cp_refuses_attention_it_cannot_honour_naming_the_module():
     assert type(model.layers["1"].attention.core) is SoftCappedCore
 
 
+def test_the_check_reaches_the_layers_after_a_routing_layer():
+    """MoE routing has no meta kernel (its expert counts): the check's forward stops in layer
+    0's experts, and goes on with layers 1-3, each given layer 0's inputs. A probe whose later
+    layers compute attention themselves was accepted when the check stopped there."""
+    from models.qwen3_moe import flavors
+    from models.qwen3_moe.model import Qwen3MoE
+
+    with torch.device("meta"):
+        model = Qwen3MoE(flavors["debugmodel"])
+    assert attention_problems(model, 16) == []
+    for i in ("1", "2", "3"):
+        model.layers[i].attention.core = OwnCore()
+    (own,) = attention_problems(model, 16)
+    for i in ("1", "2", "3"):
+        assert f"layers.{i}.attention.core calls scaled_dot_product_attention itself" in own
+
+
 def test_the_config_check_refuses_cp_for_a_family_with_its_own_attention():
     import dataclasses
 
