@@ -212,6 +212,45 @@ def _later_siblings(model: nn.Module, failed: list[str], inputs: dict[str, tuple
     return []
 
 
+class _PerPositionCore(nn.Module):
+    """Stands in for every attention core in `mixes_positions_outside_the_core`: each query
+    position gets its own value row (query head i its kv head's), so no information crosses
+    positions inside the core."""
+
+    def forward(self, q, k, v, batch=None):
+        return v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+
+
+def mixes_positions_outside_the_core(model: nn.Module, embeddings: str, seq_len: int) -> bool:
+    """Whether `model` (real weights, any values) mixes information across sequence positions
+    anywhere but in its attention cores: the cores are swapped for `_PerPositionCore`, and
+    the gradient of one position's logits with respect to the output of the `embeddings`
+    module must be exactly zero at every other position. Anything a layer computes over the
+    sequence itself (its own q.k scores, a log-sum-exp over keys, a cumulative sum) would see
+    only the rank's tokens under CP. Evaluation mode: auxiliary losses, which are sums over
+    the tokens of every rank by design, are not part of it. Changes `model`."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, AttentionCore):
+                setattr(module, name, _PerPositionCore())
+    seen = []
+
+    def leaf(module, args, output):
+        seen.append(output.detach().requires_grad_())
+        return seen[-1]
+
+    handle = model.get_submodule(embeddings).register_forward_hook(leaf)
+    try:
+        model.eval()
+        tokens = torch.arange(seq_len).remainder(model.args.vocab_size)[None]
+        model(tokens)[0, seq_len // 2].float().sum().backward()
+    finally:
+        handle.remove()
+    others = torch.ones(seq_len, dtype=torch.bool)
+    others[seq_len // 2] = False
+    return bool(seen[0].grad[0, others].ne(0).any())
+
+
 def attention_problems(model: nn.Module, seq_len: int) -> list[str]:
     """What context parallelism cannot honour in `model` (on the meta device), by module name:
     a subclass of the shared core (its own math, which the CP core would replace: the run would

@@ -27,9 +27,14 @@ import torch.distributed as dist
 from torch import nn
 
 from models.contract import ModelSpec
+from models.init_weights import materialize
 from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.compile import apply_compile
-from parallelisms.context_parallel import apply_context_parallel, attention_problems
+from parallelisms.context_parallel import (
+    apply_context_parallel,
+    attention_problems,
+    mixes_positions_outside_the_core,
+)
 from parallelisms.data_parallel import apply_data_parallel, apply_expert_zero
 from parallelisms.expert_parallel import apply_ep, replicate_experts
 from parallelisms.fsdp import FsdpUnit, embed_blocks_head_units, fsdp_mesh
@@ -55,7 +60,38 @@ def decoder_problems(spec: ModelSpec, cfg, args) -> list[str]:
     if cfg.parallelism.context_parallel_degree > 1:
         with torch.device("meta"):  # shapes only: the check runs one forward
             problems += attention_problems(spec.model_cls(args), cfg.training.seq_len)
+        problems += _sequence_mixing_problems(spec, args)
     return problems + (spec.validate(cfg, args) if spec.validate else [])
+
+
+def _sequence_mixing_problems(spec: ModelSpec, args) -> list[str]:
+    """CP splits only what the attention cores compute: a family that mixes positions
+    anywhere else is refused. Checked on a real instance of the family's `debugmodel` flavor
+    (the same code at a small size; the configured shape itself when the family has none),
+    initialised as a run initialises it (per-parameter generators: the global RNG is left as
+    it was)."""
+    small = spec.flavors.get("debugmodel", args)
+    with torch.device("meta"):
+        model = spec.model_cls(small)
+    if small is args and sum(p.numel() for p in model.parameters()) > 10**8:
+        logger.warning(
+            "context parallelism: the %s family has no 'debugmodel' flavor, and the configured "
+            "one is too large to build on the CPU: mixing of positions outside the attention "
+            "cores is not checked (add a small 'debugmodel' flavor)",
+            spec.name,
+        )
+        return []
+    materialize(model, 0, torch.device("cpu"))
+    if not mixes_positions_outside_the_core(model, spec.embeddings[0], 32):
+        return []
+    return [
+        f"parallelism.context_parallel_degree > 1: the {spec.name} model mixes information "
+        "across sequence positions outside its attention cores (with every core made "
+        "per-position, one position's output still depends on other positions' inputs), which "
+        "under CP would see only the rank's tokens. Compute everything that reads other "
+        "positions inside models.attention.AttentionCore, or set "
+        "parallelism.context_parallel_degree = 1."
+    ]
 
 
 def decoder_fsdp_units(model: nn.Module, spec: ModelSpec, parallel_dims: ParallelDims):

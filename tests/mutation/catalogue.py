@@ -642,4 +642,17 @@ MUTANTS = [
         "in []:",
         (f"{CP_UNIT}::test_the_check_reaches_the_layers_after_a_routing_layer",),
     ),
+    Mutant(
+        "cp_sequence_mixing_unchecked",
+        "the CP check takes no notice of positions mixed outside the attention cores (the "
+        "sink walk-around: a log-sum-exp over the layer's own q and k, which under CP sees "
+        "only the rank's keys)",
+        "parallelisms/context_parallel.py",
+        "return bool(seen[0].grad[0, others].ne(0).any())",
+        "return False",
+        (
+            f"{CP_UNIT}::test_mixing_positions_outside_the_core_is_found_on_a_real_instance",
+            f"{CP_UNIT}::test_the_config_check_refuses_cp_for_a_family_with_its_own_attention",
+        ),
+    ),
 ]

@@ -18,6 +18,7 @@ from parallelisms.context_parallel import (
     causal_chunks,
     gathered_positions,
     local_positions,
+    mixes_positions_outside_the_core,
 )
 from training.inputs import SequenceSplit, sequence_inputs
 
@@ -196,6 +197,48 @@ def test_the_check_reaches_the_layers_after_a_routing_layer():
         assert f"layers.{i}.attention.core calls scaled_dot_product_attention itself" in own
 
 
+class SinkOutsideTheCore(nn.Module):
+    """The walk-around of issue 33: the shared core (an exact AttentionCore, which CP swaps)
+    for softmax(qk)v, and an attention sink applied outside it, out x sigmoid(lse - sink), with
+    the log-sum-exp computed from the layer's own q and k: under CP it sees the rank's keys
+    only, yet no SDPA call is made outside the core."""
+
+    def __init__(self, n_heads: int):
+        super().__init__()
+        self.core = AttentionCore()
+        self.sink = nn.Parameter(torch.zeros(n_heads))
+
+    def forward(self, q, k, v, batch=None):
+        out = self.core(q, k, v, batch)
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+        causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+        lse = scores.masked_fill(~causal, float("-inf")).logsumexp(-1, keepdim=True)
+        return out * torch.sigmoid(lse - self.sink[:, None, None])
+
+
+def test_mixing_positions_outside_the_core_is_found_on_a_real_instance():
+    """With every core made per-position, one position's logits depend on no other position's
+    embedding in a plain decoder, and on earlier ones when a layer computes a log-sum-exp over
+    its own q and k (the sink walk-around, which the meta-device check cannot see)."""
+
+    def tiny(core_of_layer_1=None) -> Transformer:
+        torch.manual_seed(0)
+        model = Transformer(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                      vocab_size=64, multiple_of=16, max_seq_len=16))  # fmt: skip
+        model.init_buffers("cpu")
+        if core_of_layer_1 is not None:
+            model.layers["1"].attention.core = core_of_layer_1
+        return model
+
+    assert not mixes_positions_outside_the_core(tiny(), "tok_embeddings", 16)
+    walk_around = tiny(SinkOutsideTheCore(4))
+    with torch.device("meta"):
+        on_meta = SinkOutsideTheCore(4)
+    assert attention_problems(_tiny_llama(on_meta), 16) == []  # no SDPA call outside a core
+    assert mixes_positions_outside_the_core(walk_around, "tok_embeddings", 16)
+
+
 def test_the_config_check_refuses_cp_for_a_family_with_its_own_attention():
     import dataclasses
 
@@ -209,12 +252,26 @@ def test_the_config_check_refuses_cp_for_a_family_with_its_own_attention():
             super().__init__(args)
             self.layers["0"].attention.core = OwnCore()
 
-    register(dataclasses.replace(get_model_spec("llama3"), name="own_attention",
-                                 model_cls=OwnAttentionLlama))  # fmt: skip
+    class SinkWalkAroundLlama(Transformer):
+        def __init__(self, args):
+            super().__init__(args)
+            self.layers["1"].attention.core = SinkOutsideTheCore(args.n_heads)
+
+        def init_param(self, name, tensor, generator):
+            if name.endswith(".sink"):
+                return tensor.zero_()
+            return super().init_param(name, tensor, generator)
+
+    llama = get_model_spec("llama3")
+    register(dataclasses.replace(llama, name="own_attention", model_cls=OwnAttentionLlama))
+    register(dataclasses.replace(llama, name="sink_walk_around", model_cls=SinkWalkAroundLlama))
+    cases = (("own_attention", r"layers\.0\.attention\.core calls scaled_dot"),
+             ("sink_walk_around", "mixes information across sequence positions outside"))  # fmt: skip
     try:
-        argv = ["--config", "debug_model", "--model.name", "own_attention"]
-        check_config(parse_args(argv), world_size=2)  # no CP: accepted
-        with pytest.raises(ValueError, match=r"layers\.0\.attention\.core calls scaled_dot"):
-            check_config(parse_args([*argv, "--parallelism.context_parallel_degree", "2"]), 2)
+        for name, refusal in cases:
+            argv = ["--config", "debug_model", "--model.name", name]
+            check_config(parse_args(argv), world_size=2)  # no CP: accepted
+            with pytest.raises(ValueError, match=refusal):
+                check_config(parse_args([*argv, "--parallelism.context_parallel_degree", "2"]), 2)
     finally:
-        del MODELS["own_attention"]
+        del MODELS["own_attention"], MODELS["sink_walk_around"]
