@@ -64,13 +64,13 @@ def flops_per_token(
     a matmul). ``12 * H * Dh * span_l`` is layer l's attention score and value matmuls
     (``Q @ K^T`` and ``P @ V``: 2 matmuls x 2 FLOPs x 3 for forward + backward) over the keys
     a query sees on average (`attention_span`): about S / 2 for causal attention, the window
-    for a sliding window much shorter than S. `attention`: each layer's `AttentionSpec` in
-    layer order (`planning.memory.layer_attention_specs` of the model); None: `n_layers` plain
-    causal layers.
+    for a sliding window much shorter than S. `attention`: the `AttentionSpec` of each layer
+    whose attention runs in a shared core (`planning.memory.layer_attention_specs` of the
+    model); the other layers of the `n_layers` (all of them for None; a family that computes
+    attention itself) count as plain causal, so no family's attention counts as free.
     Activation recomputation is not counted, so MFU here is "model" FLOPs utilisation.
     """
-    if attention is None:
-        span = n_layers * (seq_len + 1) / 2
-    else:
-        span = sum(attention_span(spec, seq_len) for spec in attention)
+    specs = list(attention or ())
+    uncovered = max(n_layers - len(specs), 0)
+    span = sum(attention_span(spec, seq_len) for spec in specs) + uncovered * (seq_len + 1) / 2
     return float(6 * num_params_no_embedding + 12 * n_heads * head_dim * span)

@@ -655,4 +655,13 @@ MUTANTS = [
             f"{CP_UNIT}::test_the_config_check_refuses_cp_for_a_family_with_its_own_attention",
         ),
     ),
+    Mutant(
+        "flops_skip_layers_without_a_core",
+        "FLOPs per token count no attention in layers that compute it outside a shared core "
+        "(a family with its own attention reports 6N)",
+        "metrics/flops.py",
+        "uncovered = max(n_layers - len(specs), 0)",
+        "uncovered = 0 if attention is not None else n_layers",
+        ("tests/unit/test_metrics.py::test_flops_per_token_counts_each_layer_at_its_span",),
+    ),
 ]

@@ -118,6 +118,10 @@ def test_flops_per_token_counts_each_layer_at_its_span() -> None:
         specs = layer_attention_specs(get_model_spec("llama3").model_cls(args))
     assert specs == [causal] * args.n_layers
     assert flops_per_token(1000, 6, 4, 8, 64, specs) == flops_per_token(1000, 6, 4, 8, 64)
+    # a family that computes attention itself in some layers (no core to read a spec from):
+    # those layers count as plain causal, not as free (a fork of gpt-oss counted 6N only)
+    assert flops_per_token(1000, 3, 4, 8, 16, []) == flops_per_token(1000, 3, 4, 8, 16)
+    assert flops_per_token(1000, 3, 4, 8, 16, [window]) == 6000 + per_head * (3.625 + 2 * 8.5)
 
 
 def test_flops_per_token_llama3_8b_magnitude() -> None:
