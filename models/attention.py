@@ -16,17 +16,21 @@ Backends, chosen per spec and device (docs/adding_a_model.md#attention):
   tensor): on CUDA FlexAttention (compiled, `score_mod` for soft-capping); elsewhere the
   block-sparse kernel in models/block_attention.py, because torch's FlexAttention has no
   backward on CPU (torch 2.13: "FlexAttention does not support backward on CPU").
+Both masked backends return each query's log-sum-exp with a gradient, which attention sinks
+(`AttentionSpec.sinks`) and a family that reads the log-sum-exp (`returns_lse`) use, so nothing
+about the sequence is computed outside the core (context parallelism splits only the core).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 from models.block_attention import block_attention, block_sparsity, visible
 
@@ -39,13 +43,21 @@ class AttentionSpec:
     visible to query i when (causal) its position is not later, (window) the query is fewer
     than `window` positions after it (itself included: a window of 1 sees only itself), and
     (with `training.document_mask`, if `document_mask`) both are in the same document.
-    Attention sinks are not supported."""
+
+    `sinks` (gpt-oss): each query head has a learned logit that joins its softmax's normaliser
+    and carries no value, so a query may attend to "nothing": the output above times
+    sigmoid(lse - sink), lse the log-sum-exp of the head's visible scores. The core owns the
+    logits (a parameter of `n_heads`; tensor parallelism shards it with the heads).
+    `returns_lse`: the core returns (output, lse [batch, heads, queries]), lse over the
+    visible keys (the sink not included), for a family that needs it."""
 
     causal: bool = True
     scale: float | None = None  # the softmax scale; None: 1 / sqrt(head_dim)
     softcap: float | None = None  # logits -> softcap * tanh(logits / softcap) (Gemma 2)
     window: int | None = None  # sliding window, in tokens
     document_mask: bool = True  # whether document masking applies to this layer
+    sinks: bool = False  # a learned sink logit per query head
+    returns_lse: bool = False  # the core also returns the log-sum-exp
 
     def __post_init__(self) -> None:
         if self.window is not None and self.window < 1:
@@ -60,8 +72,10 @@ class AttentionSpec:
 
     @property
     def fused_causal(self) -> bool:
-        """Computable by SDPA's causal kernels when no document mask applies."""
-        return self.causal and self.window is None and self.softcap is None
+        """Computable by SDPA's causal kernels when no document mask applies (SDPA returns no
+        log-sum-exp, which sinks and `returns_lse` need)."""
+        plain = self.causal and self.window is None and self.softcap is None
+        return plain and not self.sinks and not self.returns_lse
 
 
 @dataclass
@@ -160,20 +174,47 @@ def attend(
     k: torch.Tensor,
     v: torch.Tensor,
     batch: AttentionBatch | None = None,
-) -> torch.Tensor:
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """q [batch, heads, queries, head_dim]; k, v [batch, kv_heads, keys, head_dim] (grouped
     query heads: head i reads kv head i // (heads / kv_heads), never repeated in memory);
-    `batch` None: causal over the sequence (see the module doc for the backends)."""
+    `batch` None: causal over the sequence (see the module doc for the backends); `sinks`
+    [heads]: the sink logits of `spec.sinks`. Returns the output, and with `spec.returns_lse`
+    the log-sum-exp of the visible scores too."""
     if batch is None or not batch.needs_mask(spec):
+        if not spec.fused_causal:
+            raise ValueError(f"{spec} needs the micro-batch's AttentionBatch (attention_batch)")
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=spec.causal, scale=spec.scale, enable_gqa=True
         )
+    out, lse = _masked(spec, q, k, v, batch)
+    if spec.sinks:
+        out = with_sinks(out, lse, sinks)
+    return (out, lse) if spec.returns_lse else out
+
+
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention output renormalised with a sink logit per head in the softmax's denominator:
+    exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink) per query (at least float32)."""
+    kept = torch.sigmoid(lse - sinks.to(lse.dtype)[None, :, None])
+    return (out * kept[..., None]).to(out.dtype)
+
+
+def _masked(spec, q, k, v, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output and log-sum-exp through the spec's block mask: FlexAttention on CUDA (with
+    its log-sum-exp only where used), the block kernel elsewhere."""
     mask = batch.masks[spec.key]
     scale = spec.scale if spec.scale is not None else q.shape[-1] ** -0.5
     if q.is_cuda:
         cap = spec.softcap
         score_mod = None if cap is None else (lambda s, b, h, i, j: cap * torch.tanh(s / cap))
-        return _flex(q, k, v, score_mod=score_mod, block_mask=mask, scale=scale, enable_gqa=True)
+        flex = functools.partial(
+            _flex, q, k, v, score_mod=score_mod, block_mask=mask, scale=scale, enable_gqa=True
+        )
+        if not (spec.sinks or spec.returns_lse):
+            return flex(), None
+        out, aux = flex(return_aux=AuxRequest(lse=True))
+        return out, aux.lse
     docs = batch.documents_apply(spec)
     return block_attention(
         q, k, v, mask, batch.positions, batch.key_positions,
@@ -183,11 +224,16 @@ def attend(
 
 
 class AttentionCore(nn.Module):
-    """No weights: `attend` with the layer's spec over the rank's sequence (module doc)."""
+    """`attend` with the layer's spec over the rank's sequence (module doc). Its one possible
+    weight: the sink logits of `spec.sinks` ([n_heads], named `sinks`)."""
 
-    def __init__(self, spec: AttentionSpec | None = None):
+    def __init__(self, spec: AttentionSpec | None = None, n_heads: int | None = None):
         super().__init__()
         self.spec = spec if spec is not None else AttentionSpec()
+        if self.spec.sinks:
+            if n_heads is None:
+                raise ValueError("AttentionCore: AttentionSpec(sinks=True) needs n_heads")
+            self.sinks = nn.Parameter(torch.empty(n_heads))
 
     def forward(
         self,
@@ -195,8 +241,13 @@ class AttentionCore(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         batch: AttentionBatch | None = None,
-    ) -> torch.Tensor:
-        return attend(self.spec, q, k, v, batch)
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`sinks`: the sink logits of this rank's heads, given by a parallelism that splits
+        the heads (models/tp_plan.py); by default the core's own."""
+        if sinks is None and self.spec.sinks:
+            sinks = self.sinks
+        return attend(self.spec, q, k, v, batch, sinks)
 
     def extra_repr(self) -> str:
         return repr(self.spec)

@@ -12,8 +12,9 @@ The kernel (`block_attention`, a custom op, so it stays one node in compiled gra
 query blocks: each attends to the keys of its visible blocks with an online-softmax-free exact
 softmax over them, saving only the output and the log-sum-exp per query; the backward recomputes
 each block's probabilities (flash attention's recipe), so what attention keeps for backward is
-q, k, v, the output and one float per query and head, linear in the sequence. Grouped-query
-heads attend as [kv_heads, group x queries] without repeating K/V.
+q, k, v, the output and one float per query and head, linear in the sequence. The log-sum-exp
+is an output with a gradient of its own (attention sinks and families that read it use it).
+Grouped-query heads attend as [kv_heads, group x queries] without repeating K/V.
 """
 
 from __future__ import annotations
@@ -160,8 +161,9 @@ def _(q, k, v, num, idx, full_num, full_idx, q_pos, k_pos, q_doc, k_doc, causal,
 
 @torch.library.custom_op("meshtrain::block_attention_backward", mutates_args=())
 def _backward(
-    grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, num: Tensor,
-    idx: Tensor, full_num: Tensor, full_idx: Tensor, q_pos: Tensor, k_pos: Tensor,
+    grad: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+    lse: Tensor, num: Tensor, idx: Tensor, full_num: Tensor, full_idx: Tensor, q_pos: Tensor,
+    k_pos: Tensor,
     q_doc: Tensor | None, k_doc: Tensor | None, causal: bool, window: int, softcap: float,
     scale: float, size: int,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
@@ -182,7 +184,11 @@ def _backward(
         p = torch.exp(s - lse[b, :, rows].reshape(kv_heads, group * n, 1))
         dv[b, :, keys] += torch.matmul(p.transpose(-1, -2), gb)
         dp = torch.matmul(gb, vb.transpose(-1, -2))
-        ds = p * (dp - (gb * ob).sum(-1, keepdim=True))
+        # d out / d s = p (dp - rowsum(g o)); d lse / d s = p
+        delta = (gb * ob).sum(-1, keepdim=True)
+        if grad_lse is not None:
+            delta = delta - grad_lse[b, :, rows].to(work).reshape(kv_heads, group * n, 1)
+        ds = p * (dp - delta)
         if t is not None:
             ds = ds * (1 - t * t)
         dq[b, :, rows] = torch.matmul(ds, kb).reshape(-1, n, dim) * scale
@@ -191,7 +197,7 @@ def _backward(
 
 
 @_backward.register_fake
-def _(grad, q, k, v, out, lse, *rest):
+def _(grad, grad_lse, q, k, v, out, lse, *rest):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # as the kernel
 
 
@@ -205,8 +211,8 @@ def _setup(ctx, inputs, output) -> None:
 def _grad(ctx, grad_out, grad_lse):
     q, k, v, out, lse, num, idx, full_num, full_idx, q_pos, k_pos = ctx.saved_tensors
     dq, dk, dv = _backward(
-        grad_out.contiguous(), q, k, v, out, lse, num, idx, full_num, full_idx, q_pos, k_pos,
-        *ctx.docs, *ctx.options,
+        grad_out.contiguous(), grad_lse, q, k, v, out, lse, num, idx, full_num, full_idx, q_pos,
+        k_pos, *ctx.docs, *ctx.options,
     )  # fmt: skip
     return (dq, dk, dv) + (None,) * 13
 
@@ -218,14 +224,14 @@ def block_attention(
     q: Tensor, k: Tensor, v: Tensor, mask, q_pos: Tensor, k_pos: Tensor,
     q_doc: Tensor | None, k_doc: Tensor | None, causal: bool, window: int | None,
     softcap: float | None, scale: float,
-) -> Tensor:  # fmt: skip
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     """softmax(softcap(scale q k^T) masked) v over the visible blocks of `mask` (a BlockMask
-    built by models.attention.block_mask): q [batch, heads, queries, dim], k and v [batch,
-    kv_heads, keys, dim]; positions and documents [batch, tokens]."""
+    built by models.attention.block_mask), and the log-sum-exp of each query's visible scores
+    ([batch, heads, queries], at least float32): q [batch, heads, queries, dim], k and v
+    [batch, kv_heads, keys, dim]; positions and documents [batch, tokens]."""
     size = mask.BLOCK_SIZE[0]
-    out, _ = _forward(
+    return _forward(
         q, k, v, mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks,
         mask.full_kv_indices, q_pos, k_pos, q_doc, k_doc, causal, window or 0,
         float(softcap or 0.0), float(scale), size,
     )  # fmt: skip
-    return out

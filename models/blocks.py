@@ -52,7 +52,7 @@ class GroupedQueryAttention(nn.Module):
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
         self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
-        self.core = AttentionCore(spec)
+        self.core = AttentionCore(spec, n_heads)
         if qk_norm_eps is not None:
             self.q_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
             self.k_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)

@@ -13,7 +13,13 @@ from dataclasses import dataclass, field
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import (
+    DTensor,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -45,6 +51,26 @@ class ReplicateParallel(ParallelStyle):
         return distribute_module(module, device_mesh, input_fn=wrap, output_fn=unwrap)
 
 
+class ShardSinksWithHeads(ParallelStyle):
+    """An attention core with sink logits (`AttentionSpec.sinks`, one per query head) under
+    ColwiseParallel q/k/v, which give each TP rank a contiguous slice of the heads: the logits
+    Shard(0) on the TP mesh (the same slice), and the core handed this rank's slice as a plain
+    tensor, as its q, k and v are. Their gradients stay sharded like the heads'."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def shard(name, mod, mesh):
+            for key, param in list(mod.named_parameters(recurse=False)):
+                sharded = distribute_tensor(param, mesh, [Shard(0)], src_data_rank=None)
+                mod.register_parameter(key, nn.Parameter(sharded, param.requires_grad))
+
+        def local_sinks(mod, args, kwargs):
+            return args, {**kwargs, "sinks": mod.sinks.to_local()}
+
+        distribute_module(module, device_mesh, partition_fn=shard)
+        module.register_forward_pre_hook(local_sinks, with_kwargs=True)
+        return module
+
+
 @dataclass(frozen=True)
 class TPPlan:
     """A family's TP plan: module paths (relative to the model root, or to each block of
@@ -55,7 +81,9 @@ class TPPlan:
     block: dict[str, ParallelStyle | str] = field(default_factory=dict)
 
 
-def decoder_tp_plan(loss_parallel: bool, *, qk_norms: bool = False, post_norms: bool = False):
+def decoder_tp_plan(
+    loss_parallel: bool, *, qk_norms: bool = False, post_norms: bool = False, sinks: bool = False
+):
     """Megatron-style TP with sequence parallelism for the shared decoder shape
     (`models.blocks`: `tok_embeddings`, blocks of `attention_norm`, `attention.wq/wk/wv/wo`,
     `ffn_norm`, `feed_forward.w1/w2/w3`, then `norm` and `output`). Token ids are replicated;
@@ -71,7 +99,8 @@ def decoder_tp_plan(loss_parallel: bool, *, qk_norms: bool = False, post_norms: 
     input is this rank's heads ([batch, seq, heads, head_dim], sharded on dim 2), each head
     normalised on its own, the weight replicated. `post_norms`: norms after attention and after
     the MLP (`post_attention_norm`, `post_ffn_norm`): they take wo's and w2's reduce-scattered
-    output and hand back a plain sequence shard for the residual sum."""
+    output and hand back a plain sequence shard for the residual sum. `sinks`: the attention
+    core's sink logits (`attention.core.sinks`) sharded with the heads."""
     root = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
@@ -104,7 +133,10 @@ def decoder_tp_plan(loss_parallel: bool, *, qk_norms: bool = False, post_norms: 
     if qk_norms:
         head_norm = SequenceParallel(sequence_dim=2, use_local_output=True)
         block |= {"attention.q_norm": head_norm, "attention.k_norm": head_norm}
+    if sinks:
+        block["attention.core"] = ShardSinksWithHeads()
     if post_norms:
         post_norm = SequenceParallel(use_local_output=True)
         block |= {"post_attention_norm": post_norm, "post_ffn_norm": post_norm}
     return TPPlan(root=root, block=block)
+

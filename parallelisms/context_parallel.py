@@ -68,29 +68,41 @@ class ContextParallelAttention(nn.Module):
     whole sequence, all-gathered over "cp" (see the module doc), as the replaced core's `spec`
     says. Plain causal attention: each of the rank's two chunks attends causally to the keys up
     to its end (a lower-right causal bias: the fused kernels on CUDA build no mask, and none
-    over the whole sequence is kept for backward); any other spec through its block mask."""
+    over the whole sequence is kept for backward); any other spec through its block mask. It
+    takes over the replaced core's sink logits (the same parameter, under the same name): the
+    sinks and the log-sum-exp are then over the whole sequence's keys."""
 
-    def __init__(self, cp_mesh: DeviceMesh, spec: AttentionSpec):
+    def __init__(self, cp_mesh: DeviceMesh, spec: AttentionSpec, sinks: nn.Parameter | None = None):
         super().__init__()
         # The group's name (a string) rather than the group: deep copies (pipeline stages
         # are cut from copies of the model) and compiled graphs take it as it is.
         self.group_name = cp_mesh.get_group().group_name
         self.cp_rank, self.cp = cp_mesh.get_local_rank(), cp_mesh.size()
         self.spec = spec
+        if spec.sinks:
+            self.sinks = sinks
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch | None = None
-    ) -> torch.Tensor:
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: AttentionBatch | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         # K and V in one all-gather: one collective per layer, and one saved output under
         # per-op AC (two same-shaped gathers were replayed swapped in a compiled recompute)
         k, v = self._gather(torch.stack([k, v])).unbind(0)
-        plain = batch is None or (self.spec.fused_causal and not batch.documents_apply(self.spec))
+        spec = self.spec
+        plain = spec.fused_causal and (batch is None or not batch.documents_apply(spec))
         # Compiled blocks and dispatch modes (memory tracker, FLOP counter) cannot build torch's
         # lower-right causal bias: they take the block mask instead of a [chunk, seq] one.
         traced = torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
         if plain and (batch is None or not traced):
-            return causal_chunks(q, k, v, self.cp_rank, self.cp, self.spec.scale)
-        return attend(self.spec, q, k, v, batch)
+            return causal_chunks(q, k, v, self.cp_rank, self.cp, spec.scale)
+        if sinks is None and spec.sinks:
+            sinks = self.sinks
+        return attend(spec, q, k, v, batch, sinks)
 
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
         """[2, batch, heads, seq/cp, head_dim] -> [2, batch, heads, seq, head_dim], the ranks'
@@ -214,11 +226,17 @@ def _later_siblings(model: nn.Module, failed: list[str], inputs: dict[str, tuple
 
 class _PerPositionCore(nn.Module):
     """Stands in for every attention core in `mixes_positions_outside_the_core`: each query
-    position gets its own value row (query head i its kv head's), so no information crosses
-    positions inside the core."""
+    position gets its own value row (query head i its kv head's), and its own query's sum as
+    the log-sum-exp where the spec returns one, so no information crosses positions inside the
+    core."""
 
-    def forward(self, q, k, v, batch=None):
-        return v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    def __init__(self, spec: AttentionSpec):
+        super().__init__()
+        self.spec = spec
+
+    def forward(self, q, k, v, batch=None, sinks=None):
+        out = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        return (out, q.sum(-1)) if self.spec.returns_lse else out
 
 
 def mixes_positions_outside_the_core(model: nn.Module, embeddings: str, seq_len: int) -> bool:
@@ -232,7 +250,7 @@ def mixes_positions_outside_the_core(model: nn.Module, embeddings: str, seq_len:
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, AttentionCore):
-                setattr(module, name, _PerPositionCore())
+                setattr(module, name, _PerPositionCore(child.spec))
     seen = []
 
     def leaf(module, args, output):
@@ -286,7 +304,8 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> int:
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child) is AttentionCore:
-                setattr(module, name, ContextParallelAttention(cp_mesh, child.spec))
+                sinks = getattr(child, "sinks", None)
+                setattr(module, name, ContextParallelAttention(cp_mesh, child.spec, sinks))
                 swapped += 1
     if swapped == 0:
         raise ValueError(

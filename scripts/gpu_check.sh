@@ -13,7 +13,8 @@
 #   OUT=/some/folder scripts/gpu_check.sh   # also copies the tables and run logs there
 #
 # First, scripts/attention_check.py: the attention backends on CUDA in bf16 (SDPA's causal
-# kernels, FlexAttention over the block masks: document mask, sliding window, soft-cap),
+# kernels, FlexAttention over the block masks: document mask, sliding window, soft-cap, sinks
+# through FlexAttention's log-sum-exp),
 # forward and backward against float64, into benchmarks/gpu_attention/check.md.
 #
 # Offline by design (GPU machines here reach no network): the bundled sample corpus, and a

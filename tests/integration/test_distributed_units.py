@@ -1,6 +1,7 @@
 """Parallelism units on 2 real gloo ranks (spawned processes, one spawn for all checks): ZeRO-1/2
 state and registration, FSDP2's units, the global gradient norm over mixed meshes, the step's
-loss over the global count of labelled tokens."""
+loss over the global count of labelled tokens, attention sinks split over heads (TP) and over
+the sequence (CP)."""
 
 from __future__ import annotations
 
@@ -136,6 +137,8 @@ def _two_rank_checks(rank: int, world: int) -> None:
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
 
     _step_loss_over_the_global_token_count(rank, world, mesh, args)
+    _sinks_split_over_heads(mesh)
+    _sinks_split_over_the_sequence(rank, world, mesh)
 
     # Gradient norm over a mix: plain tensors, DTensor shards, and replicated DTensors.
     g = torch.Generator().manual_seed(0)
@@ -182,6 +185,92 @@ def _step_loss_over_the_global_token_count(rank, world, mesh, args) -> None:
     torch.testing.assert_close(global_mean(loss, world), want_loss.item())
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
+
+
+def _sinks_split_over_heads(mesh) -> None:
+    """Attention sinks under TP 2 (the decoder plan's styles: q/k/v by heads, the sink logits
+    sharded with them): output and every gradient equal one process's (float64)."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from models.attention import AttentionSpec, attention_batch
+    from models.blocks import GroupedQueryAttention
+    from models.tp_plan import ShardSinksWithHeads
+
+    spec = AttentionSpec(window=24, sinks=True)
+
+    def make():
+        torch.manual_seed(0)
+        m = GroupedQueryAttention(32, 4, 2, 8, lambda x, table: x, spec=spec).double()
+        torch.nn.init.normal_(m.core.sinks)
+        return m
+
+    ref, tp = make(), make()
+    styles = {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(),
+              "wo": RowwiseParallel(), "core": ShardSinksWithHeads()}  # fmt: skip
+    parallelize_module(tp, mesh, styles)
+    sinks = tp.core.sinks
+    assert isinstance(sinks, DTensor) and sinks.placements == (Shard(0),), sinks
+    assert sinks.to_local().shape == (2,)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 128, 32, generator=g, dtype=torch.float64)
+    ab = attention_batch([spec], 2, 128, x.device)
+    got, want = tp(x, None, ab), ref(x, None, ab)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    grad = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    (got * grad).sum().backward()
+    (want * grad).sum().backward()
+    for (name, p), q in zip(tp.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def _sinks_split_over_the_sequence(rank, world, mesh) -> None:
+    """Attention sinks and the returned log-sum-exp under CP 2 (a window and documents
+    crossing the ranks' chunks): the CP core keeps the core's sink parameter, and each rank's
+    rows of the output and log-sum-exp, its queries' and keys' gradients and the sum of the
+    ranks' sink gradients equal one process's (float64)."""
+    import copy
+
+    from models.attention import AttentionCore, AttentionSpec, attention_batch
+    from parallelisms.context_parallel import (
+        ContextParallelAttention,
+        apply_context_parallel,
+        gathered_positions,
+        local_positions,
+    )
+
+    spec = AttentionSpec(window=100, sinks=True, returns_lse=True)
+    holder = torch.nn.Module()
+    holder.core = AttentionCore(spec, n_heads=4).double()
+    torch.nn.init.normal_(holder.core.sinks, generator=torch.Generator().manual_seed(2))
+    ref, sinks = copy.deepcopy(holder.core), holder.core.sinks
+    apply_context_parallel(holder, mesh)
+    assert isinstance(holder.core, ContextParallelAttention) and holder.core.sinks is sinks
+    b, seq = 2, 256
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(b, h, seq, 8, generator=g, dtype=torch.float64, requires_grad=True)
+               for h in (4, 2, 2))  # fmt: skip
+    docs = torch.cumsum(torch.rand(b, seq, generator=g) < 1 / 70, -1, dtype=torch.int32)
+    grads = [torch.randn(b, 4, seq, *d, generator=g, dtype=torch.float64) for d in ((8,), ())]
+    want = ref(q, k, v, attention_batch([spec], b, seq, q.device, documents=docs))
+    torch.autograd.backward(want, grads)
+    mine, keys = local_positions(seq, rank, world), gathered_positions(seq, world)
+    ab = attention_batch([spec], b, seq // world, q.device, mine.expand(b, -1), docs[:, mine],
+                         keys.expand(b, -1), docs[:, keys])  # fmt: skip
+    local = [t.detach()[:, :, mine].requires_grad_() for t in (q, k, v)]
+    got = holder.core(*local, ab)
+    torch.autograd.backward(got, [t[:, :, mine] for t in grads])
+    for a, w in zip(got, want):
+        torch.testing.assert_close(a, w[:, :, mine], rtol=1e-12, atol=1e-12)
+    for a, w in zip(local, (q, k, v)):
+        torch.testing.assert_close(a.grad, w.grad[:, :, mine], rtol=1e-11, atol=1e-11)
+    total = sinks.grad.clone()
+    torch.distributed.all_reduce(total)
+    torch.testing.assert_close(total, ref.sinks.grad, rtol=1e-11, atol=1e-11)
 
 
 def test_distributed_units_two_ranks():

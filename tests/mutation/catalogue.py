@@ -664,4 +664,39 @@ MUTANTS = [
         "uncovered = 0 if attention is not None else n_layers",
         ("tests/unit/test_metrics.py::test_flops_per_token_counts_each_layer_at_its_span",),
     ),
+    Mutant(
+        "sink_lse_gradient_dropped",
+        "the block kernel's backward ignores the log-sum-exp's gradient (sinks then train "
+        "with the wrong q and k gradients)",
+        "models/block_attention.py",
+        "        if grad_lse is not None:\n",
+        "        if False:\n",
+        (f"{ATTN}::test_sinks_and_the_log_sum_exp_equal_the_definition_with_their_gradients",),
+    ),
+    Mutant(
+        "sink_sign_flipped",
+        "the sink's share computed as sigmoid(sink - lse): a query keeps what it should give "
+        "to the sink",
+        "models/attention.py",
+        "kept = torch.sigmoid(lse - sinks.to(lse.dtype)[None, :, None])",
+        "kept = torch.sigmoid(sinks.to(lse.dtype)[None, :, None] - lse)",
+        (f"{ATTN}::test_sinks_and_the_log_sum_exp_equal_the_definition_with_their_gradients",),
+    ),
+    Mutant(
+        "tp_sinks_replicated",
+        "TP keeps every head's sink logit on every rank (the rank's heads then read the "
+        "logits of all heads)",
+        "models/tp_plan.py",
+        "sharded = distribute_tensor(param, mesh, [Shard(0)], src_data_rank=None)",
+        "sharded = distribute_tensor(param, mesh, [Replicate()], src_data_rank=None)",
+        (DIST_UNITS,),
+    ),
+    Mutant(
+        "cp_core_drops_the_sinks",
+        "the CP core does not take over the replaced core's sink logits",
+        "parallelisms/context_parallel.py",
+        'sinks = getattr(child, "sinks", None)',
+        "sinks = None",
+        (DIST_UNITS,),
+    ),
 ]

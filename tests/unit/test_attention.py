@@ -1,14 +1,17 @@
 """The attention contract's core: every spec (causal or not, sliding window, soft-capping, a
-softmax scale, document masking) computed through block masks equals the dense definition in
-value and gradient, on grouped-query heads and on keys in any order (context parallelism's
-gathered chunks); FlexAttention reads the same block masks; nothing quadratic is kept."""
+softmax scale, document masking), with or without attention sinks and the log-sum-exp returned,
+computed through block masks equals the dense definition in value and gradient, on grouped-query
+heads and on keys in any order (context parallelism's gathered chunks); FlexAttention reads the
+same block masks; nothing quadratic is kept."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
 
-from models.attention import AttentionBatch, AttentionSpec, attend, attention_batch
+from models.attention import AttentionBatch, AttentionCore, AttentionSpec, attend, attention_batch
 from models.block_attention import block_sparsity
 from parallelisms.context_parallel import gathered_positions, local_positions
 
@@ -35,8 +38,11 @@ def seen(spec, q_pos, k_pos, q_doc, k_doc):
     return ok if q_doc is None else ok & (q_doc == k_doc)
 
 
-def dense(spec, q, k, v, q_pos, k_pos, q_doc=None, k_doc=None):
-    """The definition: scores over every pair, masked by `seen`, K/V repeated."""
+def dense(spec, q, k, v, q_pos, k_pos, q_doc=None, k_doc=None, sinks=None):
+    """The definition: scores over every pair, masked by `seen`, K/V repeated; with `sinks`
+    (Hugging Face gpt-oss's definition) a column of each head's sink logit joins the scores and
+    is dropped after the softmax. Returns (output, log-sum-exp of the visible scores) when
+    `sinks` is given, else the output."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     s = q @ k.transpose(-1, -2) * (spec.scale or q.shape[-1] ** -0.5)
@@ -44,7 +50,12 @@ def dense(spec, q, k, v, q_pos, k_pos, q_doc=None, k_doc=None):
         s = spec.softcap * torch.tanh(s / spec.softcap)
     docs = (q_doc[:, :, None], k_doc[:, None, :]) if q_doc is not None else (None, None)
     mask = seen(spec, q_pos[:, :, None], k_pos[:, None, :], *docs)
-    return torch.softmax(s.masked_fill(~mask[:, None], float("-inf")), -1) @ v
+    s = s.masked_fill(~mask[:, None], float("-inf"))
+    if sinks is None:
+        return torch.softmax(s, -1) @ v
+    column = sinks[None, :, None, None].expand(*s.shape[:3], 1)
+    p = torch.softmax(torch.cat([s, column], -1), -1)[..., :-1]
+    return p @ v, torch.logsumexp(s, -1)
 
 
 def _qkv(batch, heads, kv_heads, q_len, k_len, dim=16, dtype=torch.float64):
@@ -81,6 +92,45 @@ def test_every_spec_equals_the_dense_definition_with_its_gradients(spec, documen
         torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11)
 
 
+@pytest.mark.parametrize("documents", [False, True])
+@pytest.mark.parametrize("spec", SPECS, ids=_name)
+def test_sinks_and_the_log_sum_exp_equal_the_definition_with_their_gradients(spec, documents):
+    """Every spec with a sink logit per head and the log-sum-exp returned: both equal the
+    definition, and so do the gradients of both with respect to q, k, v and the sinks (the
+    kernel's backward takes the log-sum-exp's gradient)."""
+    spec = replace(spec, sinks=True, returns_lse=True)
+    batch, seq = 2, 256
+    q, k, v = _qkv(batch, 4, 2, seq, seq)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    sinks.requires_grad_()
+    docs = _documents(batch, seq) if documents else None
+    ab = attention_batch([spec], batch, seq, q.device, documents=docs)
+    got = attend(spec, q, k, v, ab, sinks)
+    pos = torch.arange(seq).expand(batch, -1)
+    masked = documents and spec.document_mask
+    want = dense(spec, q, k, v, pos, pos, *((docs, docs) if masked else (None, None)), sinks)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    grads = [torch.randn_like(t) for t in got]
+    inputs = (q, k, v, sinks)
+    for a, b in zip(torch.autograd.grad(got, inputs, grads),
+                    torch.autograd.grad(want, inputs, grads)):  # fmt: skip
+        torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11)
+
+
+def test_the_core_owns_one_sink_logit_per_query_head():
+    spec = AttentionSpec(sinks=True)
+    assert not spec.fused_causal and not AttentionSpec(returns_lse=True).fused_causal
+    core = AttentionCore(spec, n_heads=6)
+    assert [(n, tuple(p.shape)) for n, p in core.named_parameters()] == [("sinks", (6,))]
+    assert list(AttentionCore(AttentionSpec(), n_heads=6).parameters()) == []
+    with pytest.raises(ValueError, match="n_heads"):
+        AttentionCore(spec)
+    q, k, v = _qkv(1, 6, 2, 128, 128)
+    with pytest.raises(ValueError, match="AttentionBatch"):
+        core(q, k, v)  # no batch: SDPA has no sinks, so the run needs the masked backends
+
+
 @pytest.mark.parametrize("spec", SPECS[:4], ids=_name)
 def test_keys_in_context_parallel_order_give_each_ranks_rows(spec):
     """A CP rank's queries (two chunks) against the gathered keys (rank-major) through the
@@ -104,7 +154,7 @@ def test_keys_in_context_parallel_order_give_each_ranks_rows(spec):
 def test_flex_attention_reads_the_same_block_masks(spec):
     """The CUDA backend's input: torch's FlexAttention (forward; CPU has no backward) over the
     BlockMask the model builds, with the spec's score modification, equals the CPU kernel."""
-    from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     batch, seq = 2, 256
     q, k, v = (t.detach().float() for t in _qkv(batch, 4, 2, seq, seq))
@@ -113,12 +163,14 @@ def test_flex_attention_reads_the_same_block_masks(spec):
     ab = ab if ab is not None and spec.key in ab.masks else _with_mask(spec, ab, batch, seq)
     cap = spec.softcap
     with torch.no_grad():
-        got = flex_attention(
+        got, aux = flex_attention(
             q, k, v, block_mask=ab.masks[spec.key], scale=spec.scale, enable_gqa=True,
             score_mod=None if cap is None else (lambda s, b, h, i, j: cap * torch.tanh(s / cap)),
+            return_aux=AuxRequest(lse=True),
         )  # fmt: skip
-        want = attend(spec, q, k, v, ab)
+        want, lse = attend(replace(spec, returns_lse=True), q, k, v, ab)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(aux.lse, lse, rtol=1e-5, atol=1e-5)  # natural log, as the kernel
 
 
 def _with_mask(spec, ab, batch, seq) -> AttentionBatch:
@@ -211,6 +263,6 @@ def test_the_kernels_fake_outputs_have_the_real_ones_strides():
     torch.library.opcheck(torch.ops.meshtrain.block_attention.default, args,
                           test_utils=("test_faketensor",))  # fmt: skip
     out, lse = torch.ops.meshtrain.block_attention.default(*args)
-    grad_args = (out.detach(), q, k, v, out, lse, *args[3:])
+    grad_args = (out.detach(), lse.detach(), q, k, v, out, lse, *args[3:])
     torch.library.opcheck(torch.ops.meshtrain.block_attention_backward.default, grad_args,
                           test_utils=("test_faketensor",))  # fmt: skip
