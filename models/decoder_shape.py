@@ -81,7 +81,12 @@ class ShapedDecoder(Decoder):
     rope_table = staticmethod(rope_table)
 
     def __init__(self, args: DecoderShape):
-        super().__init__(args, [self.block_cls(args) for _ in range(args.n_layers)])
+        super().__init__(args, self.build_blocks(args))
+
+    @classmethod
+    def build_blocks(cls, args: DecoderShape) -> list[nn.Module]:
+        """The blocks, `block_cls(args)` each (a family whose layers differ builds its own)."""
+        return [cls.block_cls(args) for _ in range(args.n_layers)]
 
     def init_param(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         """Unit norm weights; every matrix (embeddings included, which the output may share)

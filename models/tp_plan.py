@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
 )
@@ -140,3 +141,21 @@ def decoder_tp_plan(
         block |= {"post_attention_norm": post_norm, "post_ffn_norm": post_norm}
     return TPPlan(root=root, block=block)
 
+
+def moe_block_plan(dense: TPPlan) -> TPPlan:
+    """A dense decoder plan with its feed-forward replaced by a `models.moe.MoE` layer (`moe`)
+    on the whole sequence: its input all-gathered like the dense feed-forward's and its output
+    returned to sequence shards; every TP rank routes the same tokens with a replicated router
+    and runs the experts it holds (all of them, or its EP share) on them; no expert weight is
+    split over TP."""
+    block = {k: v for k, v in dense.block.items() if not k.startswith("feed_forward")}
+    block["moe"] = PrepareModuleInputOutput(
+        input_layouts=(Shard(1),),
+        desired_input_layouts=(Replicate(),),
+        use_local_input=True,
+        output_layouts=(Replicate(),),
+        desired_output_layouts=(Shard(1),),
+        use_local_output=True,
+    )
+    block["moe.router"] = ReplicateParallel()
+    return TPPlan(root=dense.root, block=block)

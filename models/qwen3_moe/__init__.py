@@ -1,5 +1,6 @@
-"""Qwen3-MoE family: model, published flavors, registry entry (TP plan, EP check and activation
-count in plan.py, routing hooks in routing.py, Hugging Face names in hf.py).
+"""Qwen3-MoE family: model, published flavors, registry entry (TP plan and activation count in
+plan.py, Hugging Face names in hf.py; the MoE layer, its routing hooks and EP check are the
+shared models/moe.py and models/moe_routing.py).
 
 Published shapes from the Qwen3-30B-A3B and Qwen3-235B-A22B configs (128 experts, 8 chosen
 per token, renormalised top-k weights, head_dim 128, 4 key/value heads, vocabulary 151,936,
@@ -7,14 +8,12 @@ untied, RoPE theta 1e6, every layer sparse). `vocab_size` is replaced by the tok
 one is loaded.
 """
 
-from models.contract import HFAdapter, ModelSpec, RoutingHooks, register
-from models.qwen3_moe import hf, routing
-from models.qwen3_moe.model import MoE, Qwen3MoE, Qwen3MoEArgs
-from models.qwen3_moe.plan import (
-    qwen3_moe_block_activation_bytes,
-    qwen3_moe_tp_plan,
-    validate_qwen3_moe,
-)
+from models.contract import HFAdapter, ModelSpec, register
+from models.moe import MoE
+from models.moe_routing import expert_split_problems, routing_hooks
+from models.qwen3_moe import hf
+from models.qwen3_moe.model import Qwen3MoE, Qwen3MoEArgs
+from models.qwen3_moe.plan import qwen3_moe_block_activation_bytes, qwen3_moe_tp_plan
 
 # fmt: off
 flavors = {
@@ -35,20 +34,10 @@ SPEC = register(
         Qwen3MoE,
         flavors,
         tp_plan=qwen3_moe_tp_plan,
-        validate=validate_qwen3_moe,
+        validate=expert_split_problems,
         block_activation_bytes=qwen3_moe_block_activation_bytes,
         hf=HFAdapter.of("qwen3_moe", hf),
-        routing=RoutingHooks(
-            experts=routing.experts,
-            expert_weights=routing.EXPERT_WEIGHTS,
-            set_stats_reduce=routing.set_stats_reduce,
-            set_counting=routing.set_counting,
-            set_loss_scale=routing.set_loss_scale,
-            after_optimizer_step=routing.after_optimizer_step,
-            layer_stats=routing.layer_stats,
-            summarize=routing.summarize,
-            active_params=routing.active_params,
-        ),
+        routing=routing_hooks(("w1", "w2", "w3")),
         compile_module="attention",  # routing has data-dependent shapes (counts, EP splits)
         function_args=("rope_theta", "norm_eps"),
     )

@@ -1,32 +1,10 @@
 """Qwen3-MoE in plain PyTorch: no parallelism, no trainer imports.
 
 Attention is Qwen3's (QK-norm, explicit head_dim, rotate-half RoPE: models/decoder_shape.py);
-every block's feed-forward is a mixture of experts (`MoE`): a linear router over E SwiGLU experts,
-token-choice top-k on the softmax scores, the k weights renormalised to sum to one
-(`norm_topk_prob`, as the published Qwen3-MoE models), and **dropless**: every token reaches
-its k experts, there is no capacity factor, so the result of a token never depends on which
-other tokens share its batch or its rank.
-
-Load balancing, all optional:
-- the auxiliary loss (Switch Transformer): coeff x E x sum_i f_i P_i, f_i the share of the
-  tokens that chose expert i (the f_i add up to k, as transformers counts it for Qwen3-MoE, so
-  Qwen3's coefficient means the same here), P_i the mean router probability of expert i. Both are
-  taken over the *global* micro-batch (every data-parallel rank's tokens of one micro-step),
-  through `MoE.reduce_stats`, which a parallelism sets to a sum over the data-parallel ranks
-  (identity on one process). Each rank back-propagates its own tokens' share of it, so the
-  gradients summed over the ranks are those of one process holding the whole micro-batch;
-- the auxiliary-loss-free bias (DeepSeek-V3): a per-expert `expert_bias` added to the scores
-  for choosing the top-k only (the weights stay the softmax scores), moved after every
-  optimizer step by `update_rate` toward balance, from the step's global expert counts;
-- the router z-loss (ST-MoE): coeff x logsumexp(router logits)^2 per token.
-The auxiliary terms are sums over tokens scaled by `MoE.loss_scale`, the factor the trainer
-divides its token-loss sum by, and reach the gradients through `AuxLossGrad` (the block's
-output carries their gradient; the value is logged, not added to the language-model loss).
-
-Expert compute (`GroupedExperts`): one grouped matmul over experts (`torch._grouped_mm` where
-the device and dtype have it, else one padded batched matmul), or a per-expert loop, the
-reference the tests compare against. A parallelism may hand `GroupedExperts.forward` its
-tokens already exchanged and the weights of the experts it holds (`weights=`).
+every block's feed-forward is the shared mixture of experts (models/moe.py): a linear router
+over E SwiGLU experts, token-choice top-k on the softmax scores, the k weights renormalised to
+sum to one (`norm_topk_prob`, as the published Qwen3-MoE models), dropless, with the optional
+load balancing that module describes (auxiliary loss, aux-loss-free bias, router z-loss).
 """
 
 from __future__ import annotations
@@ -34,197 +12,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from models.blocks import PreNormBlock
 from models.decoder_shape import DecoderShape, QKNormAttention, ShapedDecoder
-from models.numerics import at_least_float32
+from models.moe import MoE, MoEDecoder, MoEShape
 
 
 @dataclass
-class Qwen3MoEArgs(DecoderShape):
+class Qwen3MoEArgs(MoEShape, DecoderShape):
     dim: int = 2048
     n_layers: int = 48
     n_heads: int = 32
     n_kv_heads: int = 4
     tie_embeddings: bool = False
-    n_experts: int = 128
-    top_k: int = 8
-    moe_ffn_dim: int = 768  # each expert's SwiGLU hidden size
-    norm_topk_prob: bool = True
-    moe_aux_loss_coeff: float = 0.001  # Qwen3-MoE's router_aux_loss_coef; 0 = off
-    moe_bias_update_rate: float = 0.0  # aux-loss-free balancing step (DeepSeek-V3: 1e-3); 0 = off
-    moe_z_loss_coeff: float = 0.0  # router z-loss (ST-MoE: 1e-3); 0 = off
-    moe_grouped_mm: bool = True  # False: the per-expert loop (the reference)
-
-    def shape_problems(self) -> list[str]:
-        problems = super().shape_problems()
-        if not 1 <= self.top_k <= self.n_experts:
-            problems.append(f"top_k = {self.top_k} must be in 1..n_experts = {self.n_experts}")
-        return problems
-
-    @property
-    def active_experts_share(self) -> float:
-        return self.top_k / self.n_experts
-
-
-class AuxLossGrad(torch.autograd.Function):
-    """Returns `x` unchanged; in backward, also gives `aux` (a scalar already scaled as the
-    loss it belongs to) the gradient 1, so an auxiliary loss computed inside the model trains
-    without being added to the loss the trainer sees (Megatron's MoEAuxLossAutoScaler). Works
-    on every pipeline stage: each stage's backward starts from its own output."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
-        ctx.aux_shape = aux.shape
-        ctx.aux_dtype = aux.dtype
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, torch.ones(ctx.aux_shape, dtype=ctx.aux_dtype, device=grad.device)
-
-
-def _aligned(t: torch.Tensor) -> bool:
-    """`torch._grouped_mm` needs every stride but the unit one to be a multiple of 16 bytes."""
-    return all(s * t.element_size() % 16 == 0 for s in t.stride() if s != 1)
-
-
-def _grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """x [N, K] (rows sorted by expert, counts[e] rows for expert e) @ w[e] [K, M] -> [N, M]."""
-    if torch.is_autocast_enabled(x.device.type):  # autocast does not cover the grouped matmul
-        x = x.to(torch.get_autocast_dtype(x.device.type))
-    w = w.to(x.dtype)
-    grouped = getattr(torch, "_grouped_mm", None)
-    # CPU: float32/bfloat16/float16 (not float64); CUDA: bfloat16 only
-    cpu_ok = x.device.type == "cpu" and x.dtype != torch.float64
-    usable = cpu_ok or x.dtype == torch.bfloat16
-    if grouped is not None and usable and _aligned(x) and _aligned(w):
-        offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        return grouped(x, w, offs=offs)
-    # One batched matmul over experts, each padded to the largest expert's rows.
-    n_experts = w.shape[0]
-    expert = torch.repeat_interleave(torch.arange(n_experts, device=x.device), counts)
-    starts = torch.cumsum(counts, 0) - counts
-    pos = torch.arange(x.shape[0], device=x.device) - starts[expert]
-    cap = int(counts.max()) if x.shape[0] else 0
-    padded = x.new_zeros(n_experts, cap, x.shape[1])
-    padded[expert, pos] = x
-    return torch.bmm(padded, w)[expert, pos]
-
-
-def expert_swiglu(x, counts, w1, w2, w3, grouped: bool = True) -> torch.Tensor:
-    """SwiGLU of each expert over its rows of `x`: w2(silu(w1 x) * w3 x), the weights [E, out,
-    in] as Hugging Face's per-expert linears. `grouped` False: one matmul per expert."""
-    if grouped:
-        h = F.silu(_grouped_matmul(x, w1.mT, counts)) * _grouped_matmul(x, w3.mT, counts)
-        return _grouped_matmul(h, w2.mT, counts)
-    out, start = [], 0
-    for e, n in enumerate(counts.tolist()):
-        rows = x[start : start + n]
-        out.append(F.linear(F.silu(F.linear(rows, w1[e])) * F.linear(rows, w3[e]), w2[e]))
-        start += n
-    return torch.cat(out) if out else x.new_zeros(0, w2.shape[1])
-
-
-class GroupedExperts(nn.Module):
-    """E SwiGLU experts stored as three [E, out, in] tensors."""
-
-    def __init__(self, n_experts: int, dim: int, hidden: int, grouped: bool = True):
-        super().__init__()
-        self.grouped = grouped
-        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))  # gate_proj
-        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))  # down_proj
-        self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))  # up_proj
-
-    def forward(self, x: torch.Tensor, counts: torch.Tensor, weights=None) -> torch.Tensor:
-        """x [N, dim], rows sorted by expert with `counts` rows each -> [N, dim]. `weights`:
-        (w1, w2, w3) of the experts `counts` covers, when a parallelism holds only some."""
-        w1, w2, w3 = weights if weights is not None else (self.w1, self.w2, self.w3)
-        return expert_swiglu(x, counts, w1, w2, w3, self.grouped)
-
-
-def _in_backward() -> bool:
-    """True while autograd runs a backward pass (activation checkpointing recomputes forward
-    there): the routing statistics are then not counted a second time."""
-    return torch._C._current_graph_task_id() != -1
-
-
-class MoE(nn.Module):
-    """Router + experts, dropless token-choice top-k (see the module doc)."""
-
-    def __init__(self, args: Qwen3MoEArgs):
-        super().__init__()
-        self.n_experts, self.top_k = args.n_experts, args.top_k
-        self.norm_topk_prob = args.norm_topk_prob
-        self.aux_coeff, self.z_coeff = args.moe_aux_loss_coeff, args.moe_z_loss_coeff
-        self.bias_rate = args.moe_bias_update_rate
-        self.router = nn.Linear(args.dim, args.n_experts, bias=False)
-        self.experts = GroupedExperts(
-            args.n_experts, args.dim, args.moe_ffn_dim, args.moe_grouped_mm
-        )
-        # Aux-loss-free balancing bias (a checkpointed buffer, not a parameter: no gradient).
-        self.register_buffer("expert_bias", torch.zeros(args.n_experts), persistent=True)
-        # Since the last optimizer step: global tokens per expert and the aux loss's value.
-        self.register_buffer("tokens_per_expert", torch.zeros(args.n_experts), persistent=False)
-        self.register_buffer("aux_loss_sum", torch.zeros(()), persistent=False)
-        self.reduce_stats = None  # set by a parallelism: sums a float64 vector over DP ranks
-        self.counting = True  # False: a forward whose tokens are not training tokens
-        self.loss_scale = 1.0  # set by the trainer: 1 / its token-loss normaliser
-
-    def route(self, x: torch.Tensor):
-        """(router logits fp32 (fp64 in a float64 model) [T, E], scores [T, E], chosen experts
-        [T, k], weights [T, k])."""
-        logits = at_least_float32(self.router(x))
-        scores = logits.softmax(dim=-1)
-        chosen = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices
-        weights = scores.gather(-1, chosen)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return logits, scores, chosen, weights
-
-    def global_stats(self, chosen: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        """[2, E] float64: tokens per expert and summed router probabilities over the global
-        micro-batch (this rank's when no parallelism set `reduce_stats`)."""
-        counts = torch.bincount(chosen.flatten(), minlength=self.n_experts)
-        stats = torch.stack([counts.double(), scores.detach().sum(0).double()])
-        return self.reduce_stats(stats) if self.reduce_stats is not None else stats
-
-    def aux_loss(self, logits, scores, stats) -> torch.Tensor:
-        """This rank's share of the auxiliary losses (token sums x `loss_scale`); also counts
-        the global micro-batch's load-balancing loss for the logs."""
-        counts, prob_sums = stats[0], stats[1]
-        tokens = counts.sum() / self.top_k  # global tokens of the micro-batch
-        f = (counts / tokens).to(scores.dtype)
-        aux = logits.new_zeros(())
-        if self.aux_coeff > 0:
-            aux = aux + self.aux_coeff * self.n_experts * (f * scores.sum(0)).sum()
-            if self.counting and not _in_backward():
-                global_aux = self.n_experts * (f * (prob_sums / tokens).to(f.dtype)).sum()
-                self.aux_loss_sum += self.aux_coeff * global_aux.detach()
-        if self.z_coeff > 0:
-            aux = aux + self.z_coeff * torch.logsumexp(logits, dim=-1).square().sum()
-        return aux * self.loss_scale
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        logits, scores, chosen, weights = self.route(x)
-        if self.training:
-            stats = self.global_stats(chosen, scores)
-            if self.counting and not _in_backward():
-                self.tokens_per_expert += stats[0].to(self.tokens_per_expert.dtype)
-        # Sort the (token, choice) pairs by expert; stable, so the order is the layout's own.
-        flat = chosen.flatten()
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.n_experts)
-        y = self.experts(x[order // self.top_k], counts)
-        y = y[torch.argsort(order)].view(-1, self.top_k, shape[-1])
-        out = (y * weights.unsqueeze(-1).to(y.dtype)).sum(dim=1).view(shape)
-        if self.training and (self.aux_coeff > 0 or self.z_coeff > 0):
-            out = AuxLossGrad.apply(out, self.aux_loss(logits, scores, stats))
-        return out
 
 
 class Block(PreNormBlock):
@@ -234,22 +35,11 @@ class Block(PreNormBlock):
         super().__init__(QKNormAttention(args), MoE(args), args.dim, args.norm_eps)
 
 
-class Qwen3MoE(ShapedDecoder):
+class Qwen3MoE(MoEDecoder, ShapedDecoder):
     """Qwen3's decoder with an MoE block: embeddings, norms, output, RoPE, tying and
     initialisation as Qwen3's (the shared `ShapedDecoder`)."""
 
     block_cls = Block
-
-    def moe_layers(self) -> dict[str, MoE]:
-        return {key: block.moe for key, block in self.layers.items()}
-
-    def init_buffers(self, device: torch.device | str) -> None:
-        super().init_buffers(device)
-        dtype = self.rope.dtype  # the model's (at least float32): float64 in a float64 model
-        for moe in self.moe_layers().values():  # on `device`: CPU offload leaves buffers on host
-            moe.expert_bias = torch.zeros(moe.n_experts, device=device, dtype=dtype)
-            moe.tokens_per_expert = torch.zeros(moe.n_experts, device=device, dtype=dtype)
-            moe.aux_loss_sum = torch.zeros((), device=device, dtype=dtype)
 
     def init_param(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         """Qwen3's rules (unit norms, std-0.02 matrices, router included); the experts' [E, out,

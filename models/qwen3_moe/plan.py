@@ -1,48 +1,18 @@
 """What the framework needs to know to parallelize Qwen3-MoE, as data: its tensor-parallel plan
-(Qwen3's for attention; the MoE layer on the whole sequence), its own check (EP over the
-experts) and the activation bytes one block saves. Where the experts are and how routing
-statistics are reduced is in routing.py; the generic decoder path (`parallelisms/decoder.py`)
+(Qwen3's for attention; the MoE layer on the whole sequence) and the activation bytes one block
+saves. Where the experts are and how routing statistics are reduced is in models/moe_routing.py;
+the generic decoder path (`parallelisms/decoder.py`)
 applies expert parallelism, TP, AC, compile and data parallelism from them."""
 
 from __future__ import annotations
 
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import PrepareModuleInputOutput
-
-from models.tp_plan import ReplicateParallel, TPPlan, decoder_tp_plan
+from models.tp_plan import TPPlan, decoder_tp_plan, moe_block_plan
 
 
 def qwen3_moe_tp_plan(loss_parallel: bool) -> TPPlan:
     """The shared decoder's plan with Qwen3's per-head QK-norms for embeddings, attention and
-    output. The MoE layer takes the whole
-    sequence (all-gathered, like the dense feed-forward's input) and returns it to sequence
-    shards: every TP rank routes the same tokens with a replicated router, and runs the experts
-    it holds (all of them, or its EP share) on them; no expert weight is split over TP."""
-    dense = decoder_tp_plan(loss_parallel, qk_norms=True)
-    block = {k: v for k, v in dense.block.items() if not k.startswith("feed_forward")}
-    block["moe"] = PrepareModuleInputOutput(
-        input_layouts=(Shard(1),),
-        desired_input_layouts=(Replicate(),),
-        use_local_input=True,
-        output_layouts=(Replicate(),),
-        desired_output_layouts=(Shard(1),),
-        use_local_output=True,
-    )
-    block["moe.router"] = ReplicateParallel()
-    return TPPlan(root=dense.root, block=block)
-
-
-def validate_qwen3_moe(cfg, args) -> list[str]:
-    """What a Qwen3-MoE run cannot do beyond the generic decoder checks, found from the config
-    before any process group starts: EP must split the experts evenly."""
-    problems = []
-    ep = cfg.parallelism.expert_parallel_degree
-    if args.n_experts % ep:
-        problems.append(
-            f"parallelism.expert_parallel_degree = {ep} must divide the {args.n_experts} "
-            f"experts of model.flavor = '{cfg.model.flavor}'."
-        )
-    return problems
+    output, and the MoE layer on the whole sequence (`models.tp_plan.moe_block_plan`)."""
+    return moe_block_plan(decoder_tp_plan(loss_parallel, qk_norms=True))
 
 
 def qwen3_moe_block_activation_bytes(args, s: int, b: int, t: int = 1) -> float:

@@ -245,7 +245,7 @@ MUTANTS = [
     Mutant(
         "moe_topk_not_renormalised",
         "MoE: the top-k router weights are not renormalised to sum to one",
-        "models/qwen3_moe/model.py",
+        "models/moe.py",
         "            weights = weights / weights.sum(dim=-1, keepdim=True)\n",
         "            weights = weights\n",
         (f"{MOE_UNIT}::test_moe_forward_equals_routing_each_token_by_hand",),
@@ -288,7 +288,7 @@ MUTANTS = [
     Mutant(
         "moe_recompute_counted_twice",
         "MoE: activation checkpointing's recomputed forward counts the routing statistics again",
-        "models/qwen3_moe/model.py",
+        "models/moe.py",
         "            if self.counting and not _in_backward():\n                self.tokens",
         "            if self.counting:\n                self.tokens",
         (f"{MOE_UNIT}::test_recomputed_forward_counts_tokens_once", f"{MOE_PARITY}[ep4_ac]"),

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from job_config import ConfigError, parse_args
+from models.moe import MoE, expert_swiglu, grouped_matmul
+from models.moe_routing import after_optimizer_step, layer_stats, summarize
 from models.qwen3_moe import flavors
-from models.qwen3_moe.model import MoE, _grouped_matmul, expert_swiglu
-from models.qwen3_moe.routing import after_optimizer_step, layer_stats, summarize
 from parallelisms.expert_parallel import _expert_major
 
 ARGS = dataclasses.replace(flavors["debugmodel"], dim=32, moe_ffn_dim=16, moe_aux_loss_coeff=0.01)
@@ -78,7 +78,7 @@ def test_padded_batched_matmul_path(monkeypatch):
     monkeypatch.delattr(torch, "_grouped_mm", raising=False)
     counts = torch.tensor([2, 0, 3])
     x, w = torch.randn(5, 4), torch.randn(3, 4, 7)
-    torch.testing.assert_close(_grouped_matmul(x, w, counts), _padded(x, w, counts))
+    torch.testing.assert_close(grouped_matmul(x, w, counts), _padded(x, w, counts))
 
 
 def test_load_balancing_loss_equals_transformers():

@@ -1,4 +1,5 @@
-"""The MoE layers' training-time state, for `models.contract.RoutingHooks`: where the experts
+"""The MoE layers' training-time state, for `models.contract.RoutingHooks` (every family built on
+models/moe.py registers `ROUTING_HOOKS`): where the experts
 are, how the routing statistics are summed over data-parallel ranks, the loss scale
 of the auxiliary losses, the aux-loss-free bias update after each optimizer step, and the
 router statistics of the step that the metrics log.
@@ -13,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.qwen3_moe.model import MoE
+from models.contract import RoutingHooks
+from models.moe import MoE
 
 
 def moe_layers(model_parts: list[nn.Module]) -> dict[str, MoE]:
@@ -25,11 +27,8 @@ def moe_layers(model_parts: list[nn.Module]) -> dict[str, MoE]:
     return out
 
 
-EXPERT_WEIGHTS = ("w1", "w2", "w3")  # each [n_experts, ...]: expert parallelism splits dim 0
-
-
 def experts(model_parts: list[nn.Module]) -> dict[str, nn.Module]:
-    """Each block's grouped experts (what expert parallelism shards), by block key."""
+    """Each block's experts module (what expert parallelism shards), by block key."""
     return {key: moe.experts for key, moe in moe_layers(model_parts).items()}
 
 
@@ -122,3 +121,30 @@ def active_params(model: nn.Module) -> int:
     total = sum(p.numel() for p in used)
     experts = sum(params[i].numel() for i, ns in names.items() if ".experts." in ns[0])
     return total - experts + experts * args.top_k // args.n_experts
+
+
+def routing_hooks(expert_weights: tuple[str, ...]) -> RoutingHooks:
+    """The hooks of a family whose blocks hold `models.moe.MoE` layers, their experts' weights
+    named `expert_weights` (each [n_experts, ...]: expert parallelism splits dim 0)."""
+    return RoutingHooks(
+        experts=experts,
+        expert_weights=expert_weights,
+        set_stats_reduce=set_stats_reduce,
+        set_counting=set_counting,
+        set_loss_scale=set_loss_scale,
+        after_optimizer_step=after_optimizer_step,
+        layer_stats=layer_stats,
+        summarize=summarize,
+        active_params=active_params,
+    )
+
+
+def expert_split_problems(cfg, args) -> list[str]:
+    """The config check of an MoE family: expert parallelism must split the experts evenly."""
+    ep = cfg.parallelism.expert_parallel_degree
+    if args.n_experts % ep:
+        return [
+            f"parallelism.expert_parallel_degree = {ep} must divide the {args.n_experts} "
+            f"experts of model.flavor = '{cfg.model.flavor}'."
+        ]
+    return []
