@@ -33,7 +33,7 @@ class GroupedQueryAttention(nn.Module):
     table)`, optionally an RMSNorm over each query and key head before RoPE (`qk_norm_eps`:
     Qwen3's QK-norm; None = none), the attention core computing the layer's `spec`
     (models/attention.py; context parallelism swaps it for its all-gathering version) and the
-    output projection."""
+    output projection; `bias`: the four projections have biases (gpt-oss)."""
 
     def __init__(
         self,
@@ -44,14 +44,15 @@ class GroupedQueryAttention(nn.Module):
         apply_rope,
         qk_norm_eps: float | None = None,
         spec: AttentionSpec | None = None,
+        bias: bool = False,
     ):
         super().__init__()
         self.head_dim = head_dim
         self.apply_rope = apply_rope
-        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
-        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
-        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
-        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=bias)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias)
         self.core = AttentionCore(spec, n_heads)
         if qk_norm_eps is not None:
             self.q_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)

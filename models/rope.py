@@ -6,7 +6,9 @@ pair a head's elements, one per checkpoint lineage:
 - interleaved (Meta's Llama): (x[2i], x[2i + 1]) rotate together (`apply_interleaved`);
 - rotate-half (Hugging Face's Qwen3, Gemma): (x[i], x[i + head_dim / 2]) (`apply_rotate_half`).
 Frequencies theta^(-2i/d) are computed in float64; Llama 3.1 stretches the low ones
-(`llama3_scaled`), Gemma 3's global layers divide them all (linear scaling).
+(`llama3_scaled`), Gemma 3's global layers divide them all (linear scaling), YaRN (gpt-oss)
+blends divided and kept frequencies by their rotations over the old context and scales the
+table (`yarn_scaled`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,39 @@ def llama3_scaled(inv_freq: torch.Tensor, factor: float, old_context: int = 8192
     scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
     mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
     return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+
+
+def yarn_scaled(
+    head_dim: int,
+    theta: float,
+    factor: float,
+    old_context: int,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    truncate: bool = True,
+) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al. 2023, as transformers computes it): of the frequencies theta^(-2i/d),
+    those that turn more than `beta_fast` times over the old context are kept, those turning
+    fewer than `beta_slow` times are divided by `factor`, a linear ramp over the dimensions
+    between (bounds rounded outward with `truncate`); and the attention factor
+    0.1 ln(factor) + 1 that scales cos and sin. Returns (frequencies in float64, factor)."""
+    inv_freq = inverse_frequencies(head_dim, theta)
+
+    def dim_of(rotations: float) -> float:  # the dimension turning `rotations` times
+        turns = old_context / (rotations * 2 * math.pi)
+        return head_dim * math.log(turns) / (2 * math.log(theta))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(len(inv_freq), dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp
+    scaled = inv_freq / factor * (1 - kept) + inv_freq * kept
+    attention_factor = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    return scaled, attention_factor
 
 
 def cos_sin_table(

@@ -389,18 +389,28 @@ def assert_layout(
     return got
 
 
+# The 2-D (and more) weight elements of one MoE block's 8 experts at the tiny width (dim 64,
+# expert width 128): Qwen3-MoE's w1 / w2 / w3; gpt-oss's gate_up_proj [8, 64, 256] and its
+# bias [8, 256], down_proj [8, 128, 64] and its bias [8, 64]
+MOE_EXPERT_ELEMENTS = {
+    "qwen3_moe": 3 * 8 * 128 * 64,
+    "gpt_oss": 8 * (64 * 256 + 256 + 128 * 64 + 64),
+}
+
+
 def moe_local_blocks(nproc: int, args: list[str], n_layers: int) -> int | None:
-    """Block weight elements per rank of the MoE debug flavor at the tiny width (dim 64): the
+    """Block weight elements per rank of an MoE debug flavor at the tiny width (dim 64): the
     attention matrices cut TP x shard times, the router and the experts (never TP-sharded) by
     the shard ranks only. None for the dense families, where `expected_layout`'s rule holds."""
-    if "qwen3_moe" not in args and options(args).get("model.name") != "qwen3_moe":
-        return None
     o = options(args)
+    family = next((f for f in MOE_EXPERT_ELEMENTS if f in args), o.get("model.name"))
+    if family not in MOE_EXPERT_ELEMENTS:
+        return None
     tp = int(o.get("parallelism.tensor_parallel_degree", 1))
     shards = expected_layout(nproc, args, n_layers)["block_divisor"] // tp
     layers = n_layers // int(o.get("parallelism.pipeline_parallel_degree", 1))
     attention = 64 * 128 * 2 + 64 * 64 * 2  # wq, wo (4 heads x 32) and wk, wv (2 kv heads)
-    router, experts = 8 * 64, 3 * 8 * 128 * 64  # router, 8 experts' w1 / w2 / w3
+    router, experts = 8 * 64, MOE_EXPERT_ELEMENTS[family]
     ep = int(o.get("parallelism.expert_parallel_degree", 1))
     # the experts are split over the EP ranks even where nothing else is sharded (ZeRO-0);
     # the router is replicated over them

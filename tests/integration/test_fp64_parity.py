@@ -59,10 +59,19 @@ REFERENCES = {
     "moe_z_bias": (*MOE, *Z_BIAS),
     # 4 layers: the V and interleaved schedules hold 2 stages per rank
     "moe_z_bias_4_layers": (*MOE, *Z_BIAS, "--model.n_layers=4"),
+    # sinks, a 16-token window on layer 0, YaRN, biases, the clamped experts (PP: Z_BIAS)
+    "gpt_oss": ("--model.name=gpt_oss", "--optimizer.lr=1e-3", *Z_BIAS),
+    "gpt_oss_doc": (
+        "--model.name=gpt_oss",
+        "--optimizer.lr=1e-3",
+        *Z_BIAS,
+        "--training.document_mask=true",
+    ),
 }
 LLAMA, QWEN3 = REFERENCES["llama"], REFERENCES["qwen3"]
 GEMMA2, GEMMA3 = REFERENCES["gemma2"], REFERENCES["gemma3"]
 MOE_AUX, MOE_Z_BIAS = REFERENCES["moe"], REFERENCES["moe_z_bias"]
+GPT_OSS, GPT_OSS_DOC = REFERENCES["gpt_oss"], REFERENCES["gpt_oss_doc"]
 
 # A layout of each reference's model and options; global batch 8 sequences everywhere
 # fmt: off
@@ -98,6 +107,11 @@ LAYOUTS = table(
     # parameter's order (loss 1.1e-4 off from step 2; 1F1B and float32 noise hid it):
     # training/optimizer.py:contiguous_grads
     Layout("moe_tp2_pp2_zero_bubble", 4, (*MOE_Z_BIAS, "--model.n_layers=4", "--parallelism.tensor_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=InterleavedZeroBubble", "--parallelism.pipeline_parallel_microbatch_size=2"), "moe_z_bias_4_layers", FP64),
+    # gpt-oss: the sinks and q/k/v biases split with the heads, the o bias replicated
+    Layout("gpt_oss_fsdp2_tp2", 4, (*GPT_OSS, "--parallelism.tensor_parallel_degree=2", "--training.local_batch_size=4"), "gpt_oss", FP64),
+    # the sinks over the gathered keys, documents crossing the ranks' chunks, experts over EP
+    Layout("gpt_oss_ep2_cp2_doc", 2, (*GPT_OSS_DOC, "--parallelism.context_parallel_degree=2", "--parallelism.expert_parallel_degree=2"), "gpt_oss_doc", FP64),
+    Layout("gpt_oss_cp2_pp2", 4, (*GPT_OSS, "--parallelism.context_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2"), "gpt_oss", FP64),
     Layout("moe_ep2_pp2_ddp", 4, (*MOE_Z_BIAS, "--parallelism.expert_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2", "--parallelism.zero_stage=0", "--training.local_batch_size=4"), "moe_z_bias", FP64),
 )
 # fmt: on
@@ -120,7 +134,9 @@ def test_fp64_layout_matches_one_process(runs, name):
     val = by_step(run.folder, "loss", "validation")
     assert sorted(val_ref) == [4, STEPS], f"validation at steps {sorted(val_ref)}"
     worst["validation"] = assert_series(val_ref, val, "validation loss", row.tol.loss)
-    if name.startswith("moe"):  # no tie flips: the same tokens per expert at every step
+    if name.startswith(
+        ("moe", "gpt_oss")
+    ):  # no tie flips: the same tokens per expert at every step
         assert_router_parity(ref.folder, run.folder, tol=FP64.loss)
     print(
         f"\n{name}: loss {worst['loss']:.1e} validation {worst['validation']:.1e} grad norm "

@@ -699,4 +699,21 @@ MUTANTS = [
         "sinks = None",
         (DIST_UNITS,),
     ),
+    Mutant(
+        "gpt_oss_gate_up_halves",
+        "gpt-oss experts read gate and up as the two halves of the fused projection (the "
+        "published layout interleaves them)",
+        "models/gpt_oss/model.py",
+        "gate, up = h[..., ::2].clamp(max=limit), h[..., 1::2].clamp(-limit, limit)",
+        "gate, up = (t.clamp(-limit, limit) for t in h.chunk(2, -1))\n    gate = gate.clamp(max=limit)",
+        ("tests/unit/test_gpt_oss.py::test_logits_match_transformers",),
+    ),
+    Mutant(
+        "gpt_oss_up_clamped_above_only",
+        "gpt-oss experts clamp up from above only (the reference clamps it to +-limit)",
+        "models/gpt_oss/model.py",
+        "h[..., 1::2].clamp(-limit, limit)",
+        "h[..., 1::2].clamp(max=limit)",
+        ("tests/unit/test_gpt_oss.py::test_logits_match_transformers",),
+    ),
 ]

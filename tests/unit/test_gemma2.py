@@ -8,18 +8,16 @@ tests/integration/test_gemma2_parity.py."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
+from hf_round_trip import round_trip
 
 from models import get_model_spec
 from models.gemma2 import Gemma2, flavors
 from models.gemma2.hf import args_from_hf_config, from_hf_name, hf_config, to_hf_name
 
 transformers = pytest.importorskip("transformers")
-ROOT = Path(__file__).resolve().parents[2]
 
 # Measured (2026-12-02): HF's float64 model still rounds to float32 in three places (its
 # RMSNorm's `x.float()`, its RoPE table and its eager softmax), so its logits are float32-exact
@@ -110,41 +108,17 @@ def test_names_and_config_round_trip():
         args_from_hf_config({**config, "hidden_activation": "gelu", "hidden_act": "gelu"})
 
 
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_converts_both_ways_by_its_family_adapter(tmp_path):
     """convert_from_hf picks Gemma 2 by model_type, convert_to_hf by the family the checkpoint
     records; the weights come back bit for bit and the re-exported model computes the same."""
-    from checkpoint.hf import model_from_layout, read_dcp_model, read_hf_weights
-
     hf = _hf_tiny(torch.float32)
-    hf.save_pretrained(tmp_path / "hf")
-    assert _script("convert_from_hf").main([str(tmp_path / "hf"), str(tmp_path / "dcp")]) == 0
-    ckpt = tmp_path / "dcp" / "step-0"
-    spec, args = model_from_layout(ckpt)
+
+    def load(f):
+        return transformers.Gemma2ForCausalLM.from_pretrained(f, attn_implementation="eager")
+
+    spec, args, again = round_trip(hf, tmp_path, TOKENS, load, tied=True)
     assert spec.name == "gemma2" and args.sliding_window == 5 and args.final_softcap == 4.0
-    ours = spec.model_cls(args).eval()
-    ours.init_buffers("cpu")
-    ours.load_state_dict(read_dcp_model(ckpt))
-    with torch.no_grad():
-        want = hf(TOKENS).logits
-        torch.testing.assert_close(ours(TOKENS), want, rtol=1e-4, atol=1e-4)
-    assert _script("convert_to_hf").main([str(ckpt), str(tmp_path / "back")]) == 0
-    original, back = read_hf_weights(tmp_path / "hf"), read_hf_weights(tmp_path / "back")
-    original.setdefault("lm_head.weight", original["model.embed_tokens.weight"])  # tied
-    assert original.keys() == back.keys()
-    assert all(torch.equal(original[k], back[k]) for k in original)
-    again = transformers.Gemma2ForCausalLM.from_pretrained(
-        tmp_path / "back", attn_implementation="eager"
-    ).eval()
     assert again.config.layer_types == hf.config.layer_types
-    with torch.no_grad():
-        torch.testing.assert_close(again(TOKENS).logits, want, rtol=0, atol=0)
 
 
 # the published totals (the Gemma 2 model cards: 2.6B, 9.2B, 27.2B)
