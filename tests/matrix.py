@@ -40,7 +40,7 @@ from pathlib import Path
 
 # factor -> its levels, as they are named in the rows and tables
 FACTORS: dict[str, tuple] = {
-    "model": ("llama3", "qwen3", "qwen3_tied", "qwen3_moe"),
+    "model": ("llama3", "qwen3", "qwen3_tied", "qwen3_moe", "gpt_oss"),
     "tp": (1, 2),
     "pp": ("off", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"),
     "cp": (1, 2),
@@ -86,6 +86,10 @@ FAMILY_ARGS = {
     "qwen3_moe": ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel",
                   "--moe.aux_loss_coeff", "0", "--moe.z_loss_coeff", "0.001",
                   "--moe.bias_update_rate", "0.001", "--optimizer.lr", "1e-3"],
+    # sinks, a 16-token window on every other layer, YaRN, biased clamped-SwiGLU experts
+    "gpt_oss": ["--model.name", "gpt_oss", "--model.flavor", "debugmodel",
+                "--moe.aux_loss_coeff", "0", "--moe.z_loss_coeff", "0.001",
+                "--moe.bias_update_rate", "0.001", "--optimizer.lr", "1e-3"],
 }  # fmt: skip
 # what every run shares: the tiny shape (tests/tiny_model.toml) at 4 layers, 4 steps of the
 # same 8 sequences of 64 tokens per step
