@@ -37,12 +37,13 @@ _SAVE_OP_NAMES = (
     "_scaled_dot_product_flash_attention_for_cpu",
 )
 # Ops whose outputs selective AC saves: the expensive ones (attention's block-mask kernel and
-# FlexAttention included), and TP collectives (recomputing those would repeat communication).
+# FlexAttention included), and the TP and CP collectives (recomputing those would repeat
+# communication: CP's K/V all-gather, Ulysses' all-to-alls).
 SAVE_OPS = {getattr(_aten, n).default for n in _SAVE_OP_NAMES if hasattr(_aten, n)}
 SAVE_OPS.add(torch.ops.meshtrain.block_attention.default)
 if hasattr(torch.ops.higher_order, "flex_attention"):
     SAVE_OPS.add(torch.ops.higher_order.flex_attention)
-for _name in ("reduce_scatter_tensor", "all_gather_into_tensor", "all_reduce"):
+for _name in ("reduce_scatter_tensor", "all_gather_into_tensor", "all_reduce", "all_to_all_single"):
     if hasattr(torch.ops._c10d_functional, _name):
         SAVE_OPS.add(getattr(torch.ops._c10d_functional, _name).default)
 

@@ -42,7 +42,7 @@ from torch.nn.attention.bias import causal_lower_right
 from torch.nn.attention.flex_attention import flex_attention
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from models.attention import AttentionBatch, AttentionCore, AttentionSpec, attend
+from models.attention import AttentionBatch, AttentionCore, AttentionSpec, attend, block_mask
 
 # torch 2.13 renamed the autograd all-gather (the old name warns); 2.11 has the old one only
 _all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or (
@@ -63,14 +63,10 @@ def gathered_positions(seq_len: int, cp: int, device=None) -> torch.Tensor:
     return torch.cat([local_positions(seq_len, r, cp, device) for r in range(cp)])
 
 
-class ContextParallelAttention(nn.Module):
-    """The attention core under CP: the local queries attend to the keys and values of the
-    whole sequence, all-gathered over "cp" (see the module doc), as the replaced core's `spec`
-    says. Plain causal attention: each of the rank's two chunks attends causally to the keys up
-    to its end (a lower-right causal bias: the fused kernels on CUDA build no mask, and none
-    over the whole sequence is kept for backward); any other spec through its block mask. It
-    takes over the replaced core's sink logits (the same parameter, under the same name): the
-    sinks and the log-sum-exp are then over the whole sequence's keys."""
+class _ContextParallelCore(nn.Module):
+    """What both CP cores share: the "cp" group, the replaced core's spec and its sink logits
+    (the same parameter, under the same name), and the core's call, which hands `split` the
+    rank's sink logits (a parallelism's, or the parameter)."""
 
     def __init__(self, cp_mesh: DeviceMesh, spec: AttentionSpec, sinks: nn.Parameter | None = None):
         super().__init__()
@@ -90,6 +86,20 @@ class ContextParallelAttention(nn.Module):
         batch: AttentionBatch | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if sinks is None and self.spec.sinks:
+            sinks = self.sinks
+        return self.split(q, k, v, batch, sinks)
+
+
+class ContextParallelAttention(_ContextParallelCore):
+    """The attention core under CP: the local queries attend to the keys and values of the
+    whole sequence, all-gathered over "cp" (see the module doc), as the replaced core's `spec`
+    says. Plain causal attention: each of the rank's two chunks attends causally to the keys up
+    to its end (a lower-right causal bias: the fused kernels on CUDA build no mask, and none
+    over the whole sequence is kept for backward); any other spec through its block mask. The
+    sinks and the log-sum-exp are then over the whole sequence's keys."""
+
+    def split(self, q, k, v, batch, sinks):
         # K and V in one all-gather: one collective per layer, and one saved output under
         # per-op AC (two same-shaped gathers were replayed swapped in a compiled recompute)
         k, v = self._gather(torch.stack([k, v])).unbind(0)
@@ -100,8 +110,6 @@ class ContextParallelAttention(nn.Module):
         traced = torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
         if plain and (batch is None or not traced):
             return causal_chunks(q, k, v, self.cp_rank, self.cp, spec.scale)
-        if sinks is None and spec.sinks:
-            sinks = self.sinks
         return attend(spec, q, k, v, batch, sinks)
 
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,6 +118,56 @@ class ContextParallelAttention(nn.Module):
         (the one dimension every torch version's functional all-gather supports)."""
         gathered = _all_gather_autograd(x.transpose(0, 3).contiguous(), 0, self.group_name)
         return gathered.transpose(0, 3)
+
+
+class UlyssesAttention(_ContextParallelCore):
+    """The attention core under Ulysses CP (DeepSpeed-Ulysses; `parallelism.
+    context_parallel_method = "ulysses"`): one all-to-all over "cp" turns q, k and v from
+    sequence shards into head shards (each rank then holds 1/cp of the heads, n_kv_heads too,
+    for the whole sequence, in the ranks' order), the replaced core's spec is computed there
+    over the whole sequence, through its block mask over the gathered positions and documents,
+    and the reverse all-to-all returns the output (and a returned log-sum-exp) to sequence
+    shards. Sinks: the logits of this rank's heads (the same parameter as the replaced core's).
+    Per layer each rank sends (cp - 1)/cp of its own q, k, v and output (falling as 1/cp as
+    cp grows), against the all-gather's (cp - 1)/cp of the whole sequence's K/V (growing
+    toward it): Ulysses for many heads, the all-gather for long K/V and few (KV) heads. Each
+    layer builds the whole sequence's block mask (the decoder's masks are the rank's queries')."""
+
+    def split(self, q, k, v, batch, sinks):
+        if batch is None or not batch.keys_given:
+            raise ValueError("Ulysses attention needs the micro-batch's gathered positions")
+        q = self._to_heads(q)
+        k, v = self._to_heads(torch.stack([k, v])).unbind(0)  # one all-to-all for both
+        # the whole sequence as queries too: the mask over the gathered positions and documents
+        docs = batch.key_documents
+        whole = AttentionBatch(batch.key_positions, batch.key_positions, docs, docs, True)
+        whole.masks[self.spec.key] = block_mask(self.spec, whole)
+        if sinks is not None:
+            heads = q.shape[1]
+            sinks = sinks[self.cp_rank * heads : (self.cp_rank + 1) * heads]
+        out = attend(self.spec, q, k, v, whole, sinks)
+        if not self.spec.returns_lse:
+            return self._to_sequence(out)
+        out, lse = out
+        return self._to_sequence(out), self._to_sequence(lse[..., None])[..., 0]
+
+    def _exchange(self, x: torch.Tensor) -> torch.Tensor:
+        """All-to-all over "cp" along dim 0 (one slice per rank, in rank order)."""
+        return funcol.all_to_all_single_autograd(x.contiguous(), None, None, self.group_name)
+
+    def _to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., heads, seq/cp, dim] -> [..., heads/cp, seq, dim] (rank r keeps head group r;
+        the sequence in the ranks' order, as `gathered_positions`)."""
+        x = x.unflatten(-3, (self.cp, -1)).movedim(-4, 0)  # [cp, ..., heads/cp, seq/cp, dim]
+        return self._exchange(x).movedim(0, -3).flatten(-3, -2)
+
+    def _to_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., heads/cp, seq, dim] -> [..., heads, seq/cp, dim], the inverse of `_to_heads`."""
+        x = x.unflatten(-2, (self.cp, -1)).movedim(-3, 0)  # [cp, ..., heads/cp, seq/cp, dim]
+        return self._exchange(x).movedim(0, -4).flatten(-4, -3)
+
+
+CP_CORES = {"allgather": ContextParallelAttention, "ulysses": UlyssesAttention}
 
 
 def causal_chunks(
@@ -295,17 +353,18 @@ def attention_problems(model: nn.Module, seq_len: int) -> list[str]:
     ]
 
 
-def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> int:
+def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, method: str = "allgather") -> int:
     """Swaps every attention core (exactly `models.attention.AttentionCore`: a subclass has
-    math of its own, refused by `attention_problems`) of `model` for `ContextParallelAttention`
-    with the core's spec; returns how many. A model without one cannot run CP: its attention
-    would silently see only the rank's tokens."""
-    swapped = 0
+    math of its own, refused by `attention_problems`) of `model` for the CP core of `method`
+    (`CP_CORES`: the K/V all-gather or Ulysses' all-to-all) with the core's spec and sinks;
+    returns how many. A model without one cannot run CP: its attention would silently see
+    only the rank's tokens."""
+    swapped, core = 0, CP_CORES[method]
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child) is AttentionCore:
                 sinks = getattr(child, "sinks", None)
-                setattr(module, name, ContextParallelAttention(cp_mesh, child.spec, sinks))
+                setattr(module, name, core(cp_mesh, child.spec, sinks))
                 swapped += 1
     if swapped == 0:
         raise ValueError(
@@ -315,3 +374,28 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> int:
             "docs/adding_a_model.md), or set parallelism.context_parallel_degree = 1."
         )
     return swapped
+
+
+def ulysses_problems(parallelism, args) -> list[str]:
+    """What `context_parallel_method = "ulysses"` cannot do here: without CP it would be
+    ignored; each TP x CP rank must hold whole query and KV heads (KV heads are not
+    replicated to fewer-than-CP groups here)."""
+    if parallelism.context_parallel_method != "ulysses":
+        return []
+    cp, tp = parallelism.context_parallel_degree, parallelism.tensor_parallel_degree
+    if cp == 1:
+        return [
+            "parallelism.context_parallel_method = 'ulysses' needs context_parallel_degree > 1 "
+            "(it chooses how CP splits attention): set the degree, or leave the method at "
+            "'allgather'."
+        ]
+    bad = [f"{name} = {n}" for name, n in (("n_heads", args.n_heads),
+           ("n_kv_heads", args.n_kv_heads)) if n % (tp * cp)]  # fmt: skip
+    if not bad:
+        return []
+    return [
+        f"parallelism.context_parallel_method = 'ulysses' splits the heads over TP x CP = "
+        f"{tp * cp} ranks, which does not divide {' and '.join(bad)} (KV heads are not "
+        "replicated here): use context_parallel_method = 'allgather', or a CP degree whose "
+        "product with TP divides both."
+    ]

@@ -34,6 +34,7 @@ from parallelisms.context_parallel import (
     apply_context_parallel,
     attention_problems,
     mixes_positions_outside_the_core,
+    ulysses_problems,
 )
 from parallelisms.data_parallel import apply_data_parallel, apply_expert_zero
 from parallelisms.expert_parallel import apply_ep, replicate_experts
@@ -61,6 +62,7 @@ def decoder_problems(spec: ModelSpec, cfg, args) -> list[str]:
         with torch.device("meta"):  # shapes only: the check runs one forward
             problems += attention_problems(spec.model_cls(args), cfg.training.seq_len)
         problems += _sequence_mixing_problems(spec, args)
+    problems += ulysses_problems(cfg.parallelism, args)
     return problems + (spec.validate(cfg, args) if spec.validate else [])
 
 
@@ -178,7 +180,8 @@ def assemble_model(
     yet materialised. CP comes first so the stages, the blocks AC recomputes and the graphs
     compile traces hold its gathers."""
     if parallel_dims.cp_enabled:
-        apply_context_parallel(model, parallel_dims.dim("cp"))
+        method = job_config.parallelism.context_parallel_method
+        apply_context_parallel(model, parallel_dims.dim("cp"), method)
     parallelize = functools.partial(
         parallelize_decoder,
         spec=spec,

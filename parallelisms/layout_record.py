@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from metrics.memory_report import param_bytes
 from models.init_weights import canonical_name
-from parallelisms.context_parallel import ContextParallelAttention
+from parallelisms.context_parallel import CP_CORES
 from parallelisms.parallel_dims import ParallelDims
 
 LAYOUT_FILE_NAME = "layout.json"
@@ -99,13 +99,22 @@ def _rank_view(model_parts: list[nn.Module], parallel_dims: ParallelDims) -> dic
         "ac_selective_op_blocks": sorted(ac_op),
         "compiled_blocks": sorted(k for k, b in blocks.items() if _compiled(b)),
         "context_parallel_blocks": sorted(k for k, b in blocks.items() if _context_parallel(b)),
+        "context_parallel_method": sorted(
+            {
+                n
+                for b in blocks.values()
+                for m in b.modules()
+                for n, c in CP_CORES.items()
+                if type(m) is c
+            }
+        ),  # fmt: skip
         "data_parallel": _data_parallel(model_parts),
     }
 
 
 def _context_parallel(block: nn.Module) -> bool:
     """The block's attention gathers the sequence over "cp"."""
-    return any(isinstance(m, ContextParallelAttention) for m in block.modules())
+    return any(isinstance(m, tuple(CP_CORES.values())) for m in block.modules())
 
 
 def built_layout(model_parts: list[nn.Module], parallel_dims: ParallelDims, schedule) -> dict:

@@ -78,6 +78,7 @@ class Layout:
     ac: str = "none"
     ep: int = 1
     cp: int = 1
+    cp_method: str = "allgather"  # or "ulysses": all-to-all of q, k, v and the output
 
     @property
     def fsdp(self) -> int:
@@ -236,6 +237,20 @@ def kv_all_gather_bytes(
     return passes * layers * 2 * b * seq_len * kv_dim * elem * (cp - 1) / cp
 
 
+def ulysses_all_to_all_bytes(
+    seq_len: int, b: int, q_dim: float, kv_dim: float, cp: int, layers: int, elem: int,
+    recompute: bool,
+) -> float:  # fmt: skip
+    """Bytes one rank sends per micro-step for Ulysses CP: per layer all-to-alls of its q, k, v
+    (sequence to head shards) and of the output (back), [b, seq_len / cp, dim] each, the same
+    of their gradients in backward, once more in a full-AC recompute; (cp - 1) / cp of each
+    leaves the rank, so the bytes per rank fall as 1/cp as cp grows (the all-gather's grow
+    toward the whole sequence's K/V)."""
+    passes = 2 + (1 if recompute else 0)
+    per_pass = b * seq_len / cp * (2 * q_dim + 2 * kv_dim) * elem
+    return passes * layers * per_pass * (cp - 1) / cp
+
+
 def _cp_comm(
     model_args, layout: Layout, cluster: Cluster, seq_len: int, b: int, steps: int, pb: int
 ) -> Comm:
@@ -244,6 +259,14 @@ def _cp_comm(
     layers = math.ceil(model_args.n_layers / layout.pp)
     kv_dim = model_args.n_kv_heads * model_args.head_dim / layout.tp
     full = layout.ac == "full"
+    if layout.cp_method == "ulysses":
+        q_dim = model_args.n_heads * model_args.head_dim / layout.tp
+        per_micro = ulysses_all_to_all_bytes(seq_len, b, q_dim, kv_dim, layout.cp, layers, pb, full)
+        what = "CP (Ulysses): all-to-all of q, k, v and the output per layer and micro-batch, "
+        what += "and of their gradients in backward" + (
+            ", again in the full-AC recompute" if full else ""
+        )
+        return _comm("cp", layout.tp, layout.cp, cluster, per_micro * steps, True, what)
     per_micro = kv_all_gather_bytes(seq_len, b, kv_dim, layout.cp, layers, pb, full)
     kv = 2 * b * seq_len * kv_dim * pb
     what = (

@@ -131,16 +131,24 @@ def attention_bytes(
     elem: int = 2,
     document_mask: bool = False,
     specs: Sequence[AttentionSpec] = (AttentionSpec(),),
+    method: str = "allgather",
 ) -> AttentionBytes:
     """`AttentionBytes` of `s`-token sequences (`b` per micro-batch) split over `cp` ranks,
     TP degree `tp`, `elem`-byte activations, for a model whose layers compute `specs` (their
-    distinct `AttentionSpec`s; default plain causal); reads n_kv_heads and head_dim. Plain
-    causal attention without CP or document masking adds nothing."""
+    distinct `AttentionSpec`s; default plain causal); reads n_heads, n_kv_heads and head_dim.
+    Plain causal attention without CP or document masking adds nothing. `method` "ulysses":
+    no gathered K/V (the head shards of q, k, v and the output are as large as the rank's own,
+    which the family's count holds); each layer keeps the whole sequence's block mask, and one
+    layer's backward holds the all-to-all buffers of q, k, v and the output."""
     local = s // cp
     masks = len(masked_specs(specs, document_mask, cp)) * block_mask_bytes(local, s, b)
     if cp <= 1:
         return AttentionBytes(masks=masks)
     kv_dim = model_args.n_kv_heads * model_args.head_dim / tp
+    if method == "ulysses":
+        q_dim = model_args.n_heads * model_args.head_dim / tp
+        buffers = 2.0 * b * local * (q_dim + kv_dim) * elem
+        return AttentionBytes(kv=block_mask_bytes(s, s, b), masks=masks, transient=buffers)
     return AttentionBytes(
         kv=2.0 * b * (s - local) * kv_dim * elem,
         masks=masks,
@@ -258,7 +266,9 @@ def rank_activations(
     korth = korthikanti_layer_bytes(local, b, h, a, tp, recompute=rec, scores_stored=scores_stored)
     block = block_bytes(model_args, local, b, tp)
     docs = cfg.training.document_mask
-    attention = attention_bytes(model_args, s, b, tp, cp, document_mask=docs, specs=specs)
+    method = cfg.parallelism.context_parallel_method
+    attention = attention_bytes(model_args, s, b, tp, cp, document_mask=docs, specs=specs,
+                                method=method)  # fmt: skip
     whole = block + attention.per_layer
     if scores_stored and rec != "selective":  # Korthikanti's 5as/h: [local queries x s keys]
         whole += 5.0 * a * b * local * s / tp

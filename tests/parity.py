@@ -329,6 +329,7 @@ def expected_layout(nproc: int, args: list[str], n_layers: int = 2) -> dict:
         # how many times the block weights are cut on each rank
         "block_divisor": tp * (shard * cp if dp["zero_stage"] in (1, 2, 3) else 1),
         "context_parallel": cp > 1,
+        "context_parallel_method": o.get("parallelism.context_parallel_method", "allgather"),
         "ac": ac,
         "ac_every": None if ac != "selective" or sac == "op" else int(sac),
         "ac_op": ac == "selective" and sac == "op",
@@ -385,6 +386,8 @@ def assert_layout(
         assert sorted(int(k) for k in r["compiled_blocks"]) == compiled, f"{where}: compile"
         cp_blocks = sorted(layers) if want["context_parallel"] else []
         assert sorted(int(k) for k in r["context_parallel_blocks"]) == cp_blocks, f"{where}: CP"
+        method = [want["context_parallel_method"]] if cp_blocks else []
+        assert r["context_parallel_method"] == method, f"{where}: CP method"
     assert all_layers == {str(i) for i in range(want["n_layers"])}, sorted(all_layers)
     return got
 

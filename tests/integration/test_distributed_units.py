@@ -1,7 +1,7 @@
 """Parallelism units on 2 real gloo ranks (spawned processes, one spawn for all checks): ZeRO-1/2
 state and registration, FSDP2's units, the global gradient norm over mixed meshes, the step's
 loss over the global count of labelled tokens, attention sinks split over heads (TP) and over
-the sequence (CP)."""
+the sequence (CP, both methods)."""
 
 from __future__ import annotations
 
@@ -229,15 +229,22 @@ def _sinks_split_over_heads(mesh) -> None:
 
 
 def _sinks_split_over_the_sequence(rank, world, mesh) -> None:
-    """Attention sinks and the returned log-sum-exp under CP 2 (a window and documents
-    crossing the ranks' chunks): the CP core keeps the core's sink parameter, and each rank's
-    rows of the output and log-sum-exp, its queries' and keys' gradients and the sum of the
-    ranks' sink gradients equal one process's (float64)."""
+    """Attention sinks and the returned log-sum-exp under CP 2 by both methods (a window and
+    documents crossing the ranks' chunks): the CP core keeps the core's sink parameter, and
+    each rank's rows of the output and log-sum-exp, its queries' and keys' gradients and the
+    sum of the ranks' sink gradients equal one process's (float64)."""
+    from parallelisms.context_parallel import CP_CORES
+
+    for method in CP_CORES:
+        _sinks_split_over_the_sequence_by(method, rank, world, mesh)
+
+
+def _sinks_split_over_the_sequence_by(method, rank, world, mesh) -> None:
     import copy
 
     from models.attention import AttentionCore, AttentionSpec, attention_batch
     from parallelisms.context_parallel import (
-        ContextParallelAttention,
+        CP_CORES,
         apply_context_parallel,
         gathered_positions,
         local_positions,
@@ -248,8 +255,8 @@ def _sinks_split_over_the_sequence(rank, world, mesh) -> None:
     holder.core = AttentionCore(spec, n_heads=4).double()
     torch.nn.init.normal_(holder.core.sinks, generator=torch.Generator().manual_seed(2))
     ref, sinks = copy.deepcopy(holder.core), holder.core.sinks
-    apply_context_parallel(holder, mesh)
-    assert isinstance(holder.core, ContextParallelAttention) and holder.core.sinks is sinks
+    apply_context_parallel(holder, mesh, method)
+    assert type(holder.core) is CP_CORES[method] and holder.core.sinks is sinks
     b, seq = 2, 256
     g = torch.Generator().manual_seed(6)
     q, k, v = (torch.randn(b, h, seq, 8, generator=g, dtype=torch.float64, requires_grad=True)

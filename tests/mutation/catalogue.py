@@ -716,4 +716,21 @@ MUTANTS = [
         "h[..., 1::2].clamp(max=limit)",
         ("tests/unit/test_gpt_oss.py::test_logits_match_transformers",),
     ),
+    Mutant(
+        "ulysses_sinks_of_the_first_heads",
+        "Ulysses: every rank applies the sink logits of head group 0 to its own heads",
+        "parallelisms/context_parallel.py",
+        "sinks = sinks[self.cp_rank * heads : (self.cp_rank + 1) * heads]",
+        "sinks = sinks[:heads]",
+        (DIST_UNITS,),
+    ),
+    Mutant(
+        "ulysses_mask_without_documents",
+        "Ulysses: the whole sequence's mask is built without the documents (packed documents "
+        "see each other)",
+        "parallelisms/context_parallel.py",
+        "whole = AttentionBatch(batch.key_positions, batch.key_positions, docs, docs, True)",
+        "whole = AttentionBatch(batch.key_positions, batch.key_positions, None, None, True)",
+        (DIST_UNITS, f"{FP64_PARITY}[gemma2_cp2_ulysses_doc]"),
+    ),
 ]

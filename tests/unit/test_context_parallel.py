@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import fake_world
+from dist_utils import TINY_CONFIG, fake_world
 from torch import nn
 
 from models.attention import AttentionCore, AttentionSpec, attend
@@ -275,3 +275,27 @@ def test_the_config_check_refuses_cp_for_a_family_with_its_own_attention():
                 check_config(parse_args([*argv, "--parallelism.context_parallel_degree", "2"]), 2)
     finally:
         del MODELS["own_attention"], MODELS["sink_walk_around"]
+
+
+@pytest.mark.parametrize(
+    ("world", "extra", "refusal"),
+    [
+        (2, (), None),  # 4 heads, 2 KV heads: Ulysses CP 2 accepted
+        (1, ("--parallelism.context_parallel_degree", "1"), "needs context_parallel_degree > 1"),
+        (4, ("--parallelism.tensor_parallel_degree", "2"),
+         "TP x CP = 4 ranks, which does not divide n_kv_heads = 2"),
+    ],
+)  # fmt: skip
+def test_ulysses_is_refused_where_the_heads_do_not_split(world, extra, refusal):
+    """Ulysses gives each TP x CP rank whole query and KV heads: the config check refuses a
+    split that would cut them, and the method without CP (it would be ignored)."""
+    from job_config import parse_args
+    from training.preflight import check_config
+
+    argv = ["--config", str(TINY_CONFIG), "--parallelism.context_parallel_degree", "2",
+            "--parallelism.context_parallel_method", "ulysses", *extra]  # fmt: skip
+    if refusal is None:
+        check_config(parse_args(argv), world_size=world)
+        return
+    with pytest.raises(ValueError, match=refusal):
+        check_config(parse_args(argv), world_size=world)

@@ -30,6 +30,7 @@ from planning.communication import (
     all_to_all_bytes,
     comm_per_step,
     kv_all_gather_bytes,
+    ulysses_all_to_all_bytes,
 )
 from planning.memory import (
     GIB,
@@ -594,6 +595,31 @@ def test_cp_kv_all_gather_volume_by_hand():
         assert (by["cp"].bytes, by["cp"].link, by["cp"].exposed) == (expected, link, True)
         # FSDP spans dp x cp: the weights are gathered over all of them
         assert by["dp_shard_cp"].size == layout.dp * cp == 16 // tp
+
+
+def test_ulysses_volume_and_memory_by_hand():
+    """Llama 3 8B at 128K, Ulysses: per layer each rank's q and output (65,536 x 4096 bf16 at
+    CP 2) and k and v (x 1024) go to head shards and back, half of each leaving the rank, and
+    their gradients in backward: 2 x 32 x 65,536 x 10,240 x 2 B / 2 = 40 GiB per micro-step at
+    CP 2, falling as 1/cp, where the K/V all-gather grows toward the whole sequence's K/V. In
+    memory no gathered K/V; each layer keeps the whole sequence's block mask, and one layer's
+    backward the all-to-all buffers; the CP comm line of a Ulysses layout counts it."""
+    by_cp = {cp: ulysses_all_to_all_bytes(131072, 1, 4096, 1024, cp, 32, 2, recompute=False)
+             for cp in (2, 4, 8)}  # fmt: skip
+    assert by_cp[2] == 40 << 30 and by_cp[4] == by_cp[2] * 3 / 4 and by_cp[8] == by_cp[2] * 7 / 16
+    gathers = [kv_all_gather_bytes(131072, 1, 1024, cp, 32, 2, False) for cp in (2, 4, 8)]
+    assert gathers == sorted(gathers) and gathers[0] < gathers[-1]
+    c = attention_bytes(LLAMA3_8B_128K, 131072, 1, 1, 2, method="ulysses")
+    mask = block_mask_bytes(65536, 131072, 1)
+    assert (c.kv, c.masks) == (block_mask_bytes(131072, 131072, 1), mask)
+    assert c.transient == 2 * 65536 * (4096 + 1024) * 2
+    layout = Layout(tp=1, pp=1, dp=4, cp=2, cp_method="ulysses")
+    n = 8_030_261_248
+    comms = comm_per_step(
+        LLAMA3_8B_128K, n, layout, Cluster(nodes=1), seq_len=131072, local_batch=1, accum=1
+    )
+    cp = next(c for c in comms if c.dim == "cp")
+    assert cp.bytes == by_cp[2] and "Ulysses" in cp.what
 
 
 def test_advise_search_with_cp_keeps_the_world_and_the_chunks():

@@ -503,6 +503,7 @@ class Effect:
 CKPT = ("--checkpoint.enable", "true")
 PP2 = ("--parallelism.pipeline_parallel_degree", "2")
 TP2 = ("--parallelism.tensor_parallel_degree", "2")
+CP2 = ("--parallelism.context_parallel_degree", "2")
 VAL = (
     "--validation.enable",
     "true",
@@ -615,6 +616,9 @@ EFFECTS: dict[str, Effect] = {
     "parallelism.tensor_parallel_degree": Effect("2", layout(4, "mesh"), {"dp_shard": 2, "tp": 2}),
     "parallelism.context_parallel_degree": Effect(
         "2", layout(4, "context_parallel_blocks"), ["0", "1"]
+    ),
+    "parallelism.context_parallel_method": Effect(
+        "ulysses", layout(4, "context_parallel_method"), ["ulysses"], CP2
     ),
     "parallelism.expert_parallel_degree": Effect(
         "2", layout(4, "mesh"), {"dp_shard_mod_ep": 2, "ep": 2}, MOE
