@@ -15,14 +15,15 @@ def gpt_oss_tp_plan(loss_parallel: bool) -> TPPlan:
 
 
 def gpt_oss_block_activation_bytes(args, s: int, b: int, t: int = 1) -> float:
-    """Activation bytes one gpt-oss block saves for backward (16-bit compute): the attention
-    part as Qwen3's without the QK-norms (20 dim for the norms, 16 q_dim + 8 kv_dim) plus the
-    sinks (the output before the sink scale, 2 q_dim, and the fp32 log-sum-exp, 4 heads),
-    divided by t under TP + SP, plus the MoE layer on the whole sequence: per token the
-    router's fp32 logits and scores (8 E), the k copies of the input (2 k dim) and per copy
-    the fused projection's output (4 F), the clamped gate and up with its sigmoid (6 F), the
-    activation (2 F) and the output (2 dim)."""
+    """Activation bytes one gpt-oss block saves for backward (16-bit compute), per token as
+    autograd saves them on CPU (fitted over 13 shapes of the debug model, within 16 bytes):
+    the two norms and their outputs (20 dim), q and k in fp32 for RoPE and q, k, v in bf16 for
+    the core (6 q_dim + 4 kv_dim), the log-sum-exp and the sinks' scale (8 per head), divided by
+    t under TP + SP; plus the MoE layer on the whole sequence: the router's fp32 logits (4 E)
+    and per chosen copy of the token its input (2 dim), its output (2 dim), the fused
+    projection's output, the clamped gate and up, the sigmoid, the products and the
+    activation (14 F), and its indices and weight (38)."""
     q_dim, kv_dim = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-    attention = 20 * args.dim + 18 * q_dim + 8 * kv_dim + 4 * args.n_heads
-    moe = 8 * args.n_experts + args.top_k * (4 * args.dim + 12 * args.moe_ffn_dim)
+    attention = 20 * args.dim + 6 * q_dim + 4 * kv_dim + 8 * args.n_heads
+    moe = 4 * args.n_experts + args.top_k * (4 * args.dim + 14 * args.moe_ffn_dim + 38)
     return float(s) * b * (attention / t + moe)

@@ -177,6 +177,8 @@ def _saved_bytes(block: torch.nn.Module, x: torch.Tensor, skip: set[int], *input
         ("gemma2", "debugmodel", {"dim": 128, "n_heads": 8, "n_kv_heads": 2}),
         ("gemma3", "debugmodel", {"dim": 256, "n_heads": 8, "n_kv_heads": 4}),
         ("gemma3", "debugmodel", {"dim": 128, "n_heads": 4, "n_kv_heads": 1}),
+        ("gpt_oss", "debugmodel", {}),
+        ("gpt_oss", "debugmodel", {"n_experts": 16, "top_k": 2, "moe_ffn_dim": 96}),
     ],
 )
 def test_family_block_count_equals_saved_activations_on_cpu(name, flavor, shape):
