@@ -199,8 +199,7 @@ class Parallelism:
     context_parallel_method: Literal["allgather", "ulysses"] = opt(
         "allgather",
         "CP attention: allgather = K/V all-gathered per layer (long K/V, few heads); ulysses = "
-        "all-to-all from sequence to head shards (many heads: heads and KV heads divisible by "
-        "TP x CP)",
+        "all-to-all from sequence to head shards (many heads: heads divisible by TP x CP)",
     )
     expert_parallel_degree: int = opt(
         1, "Expert-parallel degree: MoE experts split over this many FSDP shard ranks", ge=1

@@ -124,7 +124,8 @@ class UlyssesAttention(_ContextParallelCore):
     """The attention core under Ulysses CP (DeepSpeed-Ulysses; `parallelism.
     context_parallel_method = "ulysses"`): one all-to-all over "cp" turns q, k and v from
     sequence shards into head shards (each rank then holds 1/cp of the heads, n_kv_heads too,
-    for the whole sequence, in the ranks' order), the replaced core's spec is computed there
+    or, with fewer KV heads than ranks, a copy of the one its heads read, for the whole
+    sequence, in the ranks' order), the replaced core's spec is computed there
     over the whole sequence, through its block mask over the gathered positions and documents,
     and the reverse all-to-all returns the output (and a returned log-sum-exp) to sequence
     shards. Sinks: the logits of this rank's heads (the same parameter as the replaced core's).
@@ -137,6 +138,8 @@ class UlyssesAttention(_ContextParallelCore):
         if batch is None or not batch.keys_given:
             raise ValueError("Ulysses attention needs the micro-batch's gathered positions")
         q = self._to_heads(q)
+        if k.shape[1] % self.cp:  # fewer KV heads than ranks: each head group gets its own copy
+            k, v = (t.repeat_interleave(self.cp // k.shape[1], dim=1) for t in (k, v))
         k, v = self._to_heads(torch.stack([k, v])).unbind(0)  # one all-to-all for both
         # the whole sequence as queries too: the mask over the gathered positions and documents
         docs = batch.key_documents
@@ -377,9 +380,9 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, method: str = 
 
 
 def ulysses_problems(parallelism, args) -> list[str]:
-    """What `context_parallel_method = "ulysses"` cannot do here: without CP it would be
-    ignored; each TP x CP rank must hold whole query and KV heads (KV heads are not
-    replicated to fewer-than-CP groups here)."""
+    """What `context_parallel_method = "ulysses"` cannot do: without CP it would be ignored;
+    each TP x CP rank must hold whole query heads, and a TP rank's KV heads must split over
+    the CP ranks or be a divisor of them (then each head group gets a copy of its KV head)."""
     if parallelism.context_parallel_method != "ulysses":
         return []
     cp, tp = parallelism.context_parallel_degree, parallelism.tensor_parallel_degree
@@ -389,13 +392,18 @@ def ulysses_problems(parallelism, args) -> list[str]:
             "(it chooses how CP splits attention): set the degree, or leave the method at "
             "'allgather'."
         ]
-    bad = [f"{name} = {n}" for name, n in (("n_heads", args.n_heads),
-           ("n_kv_heads", args.n_kv_heads)) if n % (tp * cp)]  # fmt: skip
-    if not bad:
+    problems = []
+    if args.n_heads % (tp * cp):
+        problems.append(f"TP x CP = {tp * cp} ranks do not divide n_heads = {args.n_heads}")
+    kv = args.n_kv_heads // tp
+    if kv % cp and cp % kv:
+        problems.append(
+            f"the {kv} KV heads of a TP rank are neither split by nor a divisor of CP = {cp}"
+        )
+    if not problems:
         return []
     return [
-        f"parallelism.context_parallel_method = 'ulysses' splits the heads over TP x CP = "
-        f"{tp * cp} ranks, which does not divide {' and '.join(bad)} (KV heads are not "
-        "replicated here): use context_parallel_method = 'allgather', or a CP degree whose "
-        "product with TP divides both."
+        "parallelism.context_parallel_method = 'ulysses' gives each CP rank whole heads: "
+        + "; ".join(problems)
+        + ". Use context_parallel_method = 'allgather', or TP and CP degrees that fit the heads."
     ]

@@ -236,10 +236,11 @@ def _sinks_split_over_the_sequence(rank, world, mesh) -> None:
     from parallelisms.context_parallel import CP_CORES
 
     for method in CP_CORES:
-        _sinks_split_over_the_sequence_by(method, rank, world, mesh)
+        for kv_heads in (2, 1):  # Ulysses with 1 KV head: each rank's head group gets a copy
+            _sinks_split_over_the_sequence_by(method, kv_heads, rank, world, mesh)
 
 
-def _sinks_split_over_the_sequence_by(method, rank, world, mesh) -> None:
+def _sinks_split_over_the_sequence_by(method, kv_heads, rank, world, mesh) -> None:
     import copy
 
     from models.attention import AttentionCore, AttentionSpec, attention_batch
@@ -260,7 +261,7 @@ def _sinks_split_over_the_sequence_by(method, rank, world, mesh) -> None:
     b, seq = 2, 256
     g = torch.Generator().manual_seed(6)
     q, k, v = (torch.randn(b, h, seq, 8, generator=g, dtype=torch.float64, requires_grad=True)
-               for h in (4, 2, 2))  # fmt: skip
+               for h in (4, kv_heads, kv_heads))  # fmt: skip
     docs = torch.cumsum(torch.rand(b, seq, generator=g) < 1 / 70, -1, dtype=torch.int32)
     grads = [torch.randn(b, 4, seq, *d, generator=g, dtype=torch.float64) for d in ((8,), ())]
     want = ref(q, k, v, attention_batch([spec], b, seq, q.device, documents=docs))

@@ -60,8 +60,6 @@ REFERENCES = {
     # 4 layers: the V and interleaved schedules hold 2 stages per rank
     "moe_z_bias_4_layers": (*MOE, *Z_BIAS, "--model.n_layers=4"),
     # sinks, a 16-token window on layer 0, YaRN, biases, the clamped experts (PP: Z_BIAS)
-    # 4 KV heads: Ulysses splits them over TP x CP = 4 ranks
-    "llama_kv4": ("--model.n_kv_heads=4",),
     "gpt_oss": ("--model.name=gpt_oss", "--optimizer.lr=1e-3", *Z_BIAS),
     "gpt_oss_doc": (
         "--model.name=gpt_oss",
@@ -115,10 +113,11 @@ LAYOUTS = table(
     # the sinks over the gathered keys, documents crossing the ranks' chunks, experts over EP
     Layout("gpt_oss_ep2_cp2_doc", 2, (*GPT_OSS_DOC, "--parallelism.context_parallel_degree=2", "--parallelism.expert_parallel_degree=2"), "gpt_oss_doc", FP64),
     Layout("gpt_oss_cp2_pp2", 4, (*GPT_OSS, "--parallelism.context_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2"), "gpt_oss", FP64),
-    # Ulysses CP (all-to-all from sequence to head shards) for every family: CP 4, TP x CP,
+    # Ulysses CP (all-to-all from sequence to head shards) for every family: CP 4, TP x CP
     # compiled, soft-caps + windows + documents, two RoPE tables, experts over EP, sinks x PP
-    Layout("llama_kv4_cp4_ulysses", 4, ("--model.n_kv_heads=4", *ULYSSES, "--parallelism.context_parallel_degree=4"), "llama_kv4", FP64),
-    Layout("llama_kv4_tp2_cp2_ulysses", 4, ("--model.n_kv_heads=4", *ULYSSES, "--parallelism.context_parallel_degree=2", "--parallelism.tensor_parallel_degree=2"), "llama_kv4", FP64),
+    # (Llama's 2 KV heads at CP 4, and its 1 KV head per TP rank at CP 2: copied to each group)
+    Layout("llama_cp4_ulysses", 4, (*LLAMA, *ULYSSES, "--parallelism.context_parallel_degree=4"), "llama", FP64),
+    Layout("llama_tp2_cp2_ulysses", 4, (*LLAMA, *ULYSSES, "--parallelism.context_parallel_degree=2", "--parallelism.tensor_parallel_degree=2"), "llama", FP64),
     Layout("qwen3_cp2_ulysses_compile_ac_op", 2, (*QWEN3, *ULYSSES, "--parallelism.context_parallel_degree=2", "--compile.enable=true", "--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op"), "qwen3", FP64),
     Layout("gemma2_cp2_ulysses_doc", 2, (*REFERENCES["gemma2_doc"], *ULYSSES, "--parallelism.context_parallel_degree=2"), "gemma2_doc", FP64),
     Layout("gemma3_cp2_ulysses", 2, (*GEMMA3, *ULYSSES, "--parallelism.context_parallel_degree=2"), "gemma3", FP64),

@@ -733,4 +733,13 @@ MUTANTS = [
         "whole = AttentionBatch(batch.key_positions, batch.key_positions, None, None, True)",
         (DIST_UNITS, f"{FP64_PARITY}[gemma2_cp2_ulysses_doc]"),
     ),
+    Mutant(
+        "ulysses_kv_copies_tiled",
+        "Ulysses: with fewer KV heads than CP ranks the copies are tiled (h0 h1 h0 h1), so a "
+        "head group reads another group's KV head",
+        "parallelisms/context_parallel.py",
+        "t.repeat_interleave(self.cp // k.shape[1], dim=1)",
+        "t.repeat(1, self.cp // k.shape[1], 1, 1)",
+        (f"{FP64_PARITY}[llama_cp4_ulysses]",),
+    ),
 ]

@@ -281,14 +281,19 @@ def test_the_config_check_refuses_cp_for_a_family_with_its_own_attention():
     ("world", "extra", "refusal"),
     [
         (2, (), None),  # 4 heads, 2 KV heads: Ulysses CP 2 accepted
+        (4, ("--parallelism.tensor_parallel_degree", "2"), None),  # 1 KV head per TP rank, copied
         (1, ("--parallelism.context_parallel_degree", "1"), "needs context_parallel_degree > 1"),
-        (4, ("--parallelism.tensor_parallel_degree", "2"),
-         "TP x CP = 4 ranks, which does not divide n_kv_heads = 2"),
+        (8, ("--parallelism.tensor_parallel_degree", "2", "--parallelism.context_parallel_degree",
+             "4"), "TP x CP = 8 ranks do not divide n_heads = 4"),
+        (4, ("--model.dim", "96", "--model.n_heads", "12", "--model.n_kv_heads", "6",
+             "--parallelism.context_parallel_degree", "4"),
+         "the 6 KV heads of a TP rank are neither split by nor a divisor of CP = 4"),
     ],
 )  # fmt: skip
 def test_ulysses_is_refused_where_the_heads_do_not_split(world, extra, refusal):
-    """Ulysses gives each TP x CP rank whole query and KV heads: the config check refuses a
-    split that would cut them, and the method without CP (it would be ignored)."""
+    """Ulysses gives each TP x CP rank whole query heads and its KV heads, or a copy of the one
+    its heads read: the config check refuses a split that would cut them, and the method
+    without CP (it would be ignored)."""
     from job_config import parse_args
     from training.preflight import check_config
 
