@@ -114,15 +114,17 @@ LAYOUTS = table(
     Layout("gpt_oss_ep2_cp2_doc", 2, (*GPT_OSS_DOC, "--parallelism.context_parallel_degree=2", "--parallelism.expert_parallel_degree=2"), "gpt_oss_doc", FP64),
     Layout("gpt_oss_cp2_pp2", 4, (*GPT_OSS, "--parallelism.context_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2"), "gpt_oss", FP64),
     # Ulysses CP (all-to-all from sequence to head shards) for every family: CP 4, TP x CP
-    # compiled, soft-caps + windows + documents, two RoPE tables, experts over EP, sinks x PP
+    # compiled, soft-caps + windows + documents, two RoPE tables, experts over EP x PP, sinks x TP
     # (Llama's 2 KV heads at CP 4, and its 1 KV head per TP rank at CP 2: copied to each group)
     Layout("llama_cp4_ulysses", 4, (*LLAMA, *ULYSSES, "--parallelism.context_parallel_degree=4"), "llama", FP64),
     Layout("llama_tp2_cp2_ulysses", 4, (*LLAMA, *ULYSSES, "--parallelism.context_parallel_degree=2", "--parallelism.tensor_parallel_degree=2"), "llama", FP64),
     Layout("qwen3_cp2_ulysses_compile_ac_op", 2, (*QWEN3, *ULYSSES, "--parallelism.context_parallel_degree=2", "--compile.enable=true", "--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op"), "qwen3", FP64),
     Layout("gemma2_cp2_ulysses_doc", 2, (*REFERENCES["gemma2_doc"], *ULYSSES, "--parallelism.context_parallel_degree=2"), "gemma2_doc", FP64),
     Layout("gemma3_cp2_ulysses", 2, (*GEMMA3, *ULYSSES, "--parallelism.context_parallel_degree=2"), "gemma3", FP64),
-    Layout("moe_cp2_ulysses_ep2", 2, (*MOE_Z_BIAS, *ULYSSES, "--parallelism.context_parallel_degree=2", "--parallelism.expert_parallel_degree=2"), "moe_z_bias", FP64),
-    Layout("gpt_oss_cp2_ulysses_pp2", 4, (*GPT_OSS, *ULYSSES, "--parallelism.context_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2"), "gpt_oss", FP64),
+    Layout("moe_cp2_ulysses_ep2_pp2", 4, (*MOE_Z_BIAS, *ULYSSES, "--parallelism.context_parallel_degree=2", "--parallelism.expert_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2"), "moe_z_bias", FP64),
+    # the sinks sliced twice: by TP (the rank's heads) and by Ulysses (its head group), with
+    # gpt-oss's 2 KV heads at 1 per TP rank copied to both CP head groups
+    Layout("gpt_oss_tp2_cp2_ulysses", 4, (*GPT_OSS, *ULYSSES, "--parallelism.context_parallel_degree=2", "--parallelism.tensor_parallel_degree=2"), "gpt_oss", FP64),
     Layout("moe_ep2_pp2_ddp", 4, (*MOE_Z_BIAS, "--parallelism.expert_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2", "--parallelism.zero_stage=0", "--training.local_batch_size=4"), "moe_z_bias", FP64),
 )
 # fmt: on
