@@ -35,8 +35,8 @@ def _experts_line(e: Experts) -> str:
 def format_candidates(advice: Advice, ep_columns: bool = False) -> list[str]:
     """One table row per candidate tried, the proposed one marked `<-`. `ep_columns` (a model
     with experts): the EP degree and EP's all-to-all time; the dp time then includes the
-    experts' own FSDP traffic (over the ranks outside EP). The cp columns: the CP degree and its
-    K/V all-gather time; dp counts the ranks reading other sequences, FSDP spans dp x cp."""
+    experts' own FSDP traffic (over the ranks outside EP). The cp columns: the CP degree ("u":
+    Ulysses) and its K/V all-gather or all-to-all time; dp counts the ranks reading other sequences, FSDP spans dp x cp."""
     ep_head, ep_comm_head = (f" {'ep':>3}", f" {'ep comm s':>9}") if ep_columns else ("", "")
     lines = [
         f"{'tp':>3} {'pp':>3} {'cp':>3}{ep_head} {'dp':>5} {'ac':>5} {'mb x acc':>8} "
@@ -50,7 +50,7 @@ def format_candidates(advice: Advice, ep_columns: bool = False) -> list[str]:
         lay = c.layout
         ep, ep_s = (f" {lay.ep:>3}", f" {by.get('ep', 0):>9.3f}") if ep_columns else ("", "")
         lines.append(
-            f"{lay.tp:>3} {lay.pp:>3} {lay.cp:>3}{ep} {lay.dp:>5} {lay.ac:>5} "
+            f"{lay.tp:>3} {lay.pp:>3} {_cp_cell(lay):>3}{ep} {lay.dp:>5} {lay.ac:>5} "
             f"{f'{c.micro_batch}x{c.accum}':>8} {c.memory / GIB:>8.1f} {c.compute:>9.2f} "
             f"{dp_s:>9.3f} {by.get('tp', 0):>9.3f} {by.get('cp', 0):>9.3f} "
             f"{by.get('pp', 0):>9.3f}{ep_s} {c.bubble:>8.2f} {c.step:>7.2f}{mark}"
@@ -58,10 +58,18 @@ def format_candidates(advice: Advice, ep_columns: bool = False) -> list[str]:
     return lines
 
 
+def _cp_cell(lay: Layout) -> str:
+    return f"{lay.cp}u" if lay.cp_method == "ulysses" else str(lay.cp)
+
+
 def _mesh(lay: Layout) -> str:
-    """ "TP t x PP p x FSDP d", with " x CP c" under context parallelism and " (EP e of
-    them)" under expert parallelism."""
-    cp = f" x CP {lay.cp}" if lay.cp > 1 else ""
+    """ "TP t x PP p x FSDP d", with " x CP c" (and " (Ulysses)") under context parallelism
+    and " (EP e of them)" under expert parallelism."""
+    cp = (
+        f" x CP {lay.cp}" + (" (Ulysses)" if lay.cp_method == "ulysses" else "")
+        if lay.cp > 1
+        else ""
+    )
     return f"TP {lay.tp} x PP {lay.pp}{cp} x FSDP {lay.dp}" + (
         f" (EP {lay.ep} of them)" if lay.ep > 1 else ""
     )
@@ -104,7 +112,8 @@ def _alternatives(advice: Advice, cluster: Cluster, smallest_only: bool = False)
     if smallest_only:
         by_mesh = {}
         for c in sorted(unfit, key=lambda c: -c.memory):
-            by_mesh[(c.layout.tp, c.layout.pp, c.layout.cp, c.layout.ep, c.layout.ac)] = c
+            lay = c.layout
+            by_mesh[(lay.tp, lay.pp, lay.cp, lay.cp_method, lay.ep, lay.ac)] = c
         unfit = [c for c in unfit if c in by_mesh.values()]
     if unfit:
         lines.append(

@@ -130,8 +130,9 @@ def analytic_activations(
     layers = math.ceil(model_args.n_layers / layout.pp)
     in_flight = layout.pp if layout.pp > 1 else 1
     attn = attention_bytes(
-        model_args, seq_len, b, tp, layout.cp, document_mask=document_mask, specs=specs
-    )
+        model_args, seq_len, b, tp, layout.cp, document_mask=document_mask, specs=specs,
+        method=layout.cp_method,
+    )  # fmt: skip
     whole = block_bytes(model_args, local, b, tp) + attn.per_layer
     kept, recomputed = whole, 0.0
     if layout.ac == "full":
@@ -237,8 +238,8 @@ def _micro_batches(work: Workload, local: int, pp: int) -> list[int]:
 def _candidates(
     work: Workload, cluster: Cluster, tp: int, pp: int, across: bool = False
 ) -> list[Candidate]:
-    """Every CP and EP degree (`_splits`), micro-batch size and AC mode at TP `tp` x PP `pp` x
-    FSDP (the rest); none when the degrees or the batch do not divide."""
+    """Every CP and EP degree (`_splits`), CP method, micro-batch size and AC mode at TP `tp` x
+    PP `pp` x FSDP (the rest); none when the degrees or the batch do not divide."""
     if cluster.world % (tp * pp):
         return []
     out = []
@@ -247,22 +248,34 @@ def _candidates(
             continue  # every data-parallel rank needs whole sequences
         local = work.global_batch // dp
         out += [
-            _evaluate(work, cluster, Layout(tp, pp, dp, 3, ac, ep, cp), local, micro)
+            _evaluate(work, cluster, Layout(tp, pp, dp, 3, ac, ep, cp, method), local, micro)
             for micro in _micro_batches(work, local, pp)
             for ac in ("none", "full")
+            for method in _cp_methods(work.model_args, tp, cp)
         ]
     return out
 
 
+def _cp_methods(model_args, tp: int, cp: int) -> list[str]:
+    """The CP methods a layout can use: the all-gather always (without CP it names none), and
+    Ulysses where each TP x CP rank gets whole heads (`ulysses_problems`' rule)."""
+    if cp == 1:
+        return ["allgather"]
+    kv = model_args.n_kv_heads // tp
+    heads_split = model_args.n_heads % (tp * cp) == 0 and (kv % cp == 0 or cp % kv == 0)
+    return ["allgather", "ulysses"] if heads_split else ["allgather"]
+
+
 def advise(work: Workload, cluster: Cluster) -> Advice:
-    """Searches TP (within a node) x PP x CP x FSDP (the rest) and both AC modes at a fixed global
+    """Searches TP (within a node) x PP x CP (both methods where Ulysses' head split holds) x
+    FSDP (the rest) and both AC modes at a fixed global
     batch of `work.global_batch` sequences (each data-parallel rank runs global_batch / dp of
     them in micro-batches of up to `work.micro_batch`; PP uses micro-batches of 1). Proposes
     the fitting layout with the fewest pipeline stages and the fastest modelled step. PP is
     used only when nothing fits without it (bubble, schedule constraints). With experts, EP
     groups (ep x tp ranks) stay inside a node unless nothing fits at that PP degree: the
     all-to-alls are per layer and on the critical path, so they need NVLink; so do CP groups
-    (cp x tp ranks: their K/V all-gathers are per layer and exposed too)."""
+    (cp x tp ranks: their K/V all-gathers or all-to-alls are per layer and exposed too)."""
     args = work.model_args
     tps = _tp_degrees(args, cluster.gpus_per_node)
     tried = []
@@ -309,6 +322,7 @@ def verification_config(cfg, best: Candidate, global_batch: int):
         data_parallel_shard_degree=-1,
         data_parallel_replicate_degree=1,
         context_parallel_degree=lay.cp,
+        context_parallel_method=lay.cp_method,
         zero_stage=3,
         ac=lay.ac,
         **ep,

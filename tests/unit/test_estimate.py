@@ -649,6 +649,18 @@ def test_advise_search_with_cp_keeps_the_world_and_the_chunks():
         analytic_activations(LLAMA3_8B_128K, x, 131072, 1, 128256, block) for x in (split, alone)
     ]
     assert mem[0] - mem[1] == pytest.approx(act[0] - act[1], abs=2)
+    # both CP methods are tried where each TP x CP rank gets whole heads (8 KV heads: copies
+    # up to CP 8 at TP 1), the all-gather alone without CP or where the heads do not split
+    methods = {(c.layout.tp, c.layout.cp, c.layout.cp_method) for c in advice.tried}
+    assert {(1, 8, "ulysses"), (2, 4, "ulysses"), (1, 2, "allgather")} <= methods
+    assert all(m == "allgather" for t, cp, m in methods if cp == 1)
+    kv6 = dataclasses.replace(
+        LLAMA3_8B_128K, dim=4080, n_heads=24, n_kv_heads=6
+    )  # 6 KV heads: split by CP 2, neither split by nor dividing CP 4 or 8
+    tried = {(c.layout.tp, c.layout.cp, c.layout.cp_method)
+             for c in advise(dataclasses.replace(work, model_args=kv6), cluster).tried}  # fmt: skip
+    assert (1, 2, "ulysses") in tried and (1, 2, "allgather") in tried
+    assert not any(m == "ulysses" for t, cp, m in tried if cp in (4, 8) and t == 1)
 
 
 def test_advise_proposes_cp_for_llama3_8b_at_128k_on_8_gpus():
