@@ -63,6 +63,10 @@ PROFILER_RANGE_OPS = {
 }
 
 
+# The policy below as a string: the ops it saves (all else is recomputed).
+POLICY_HASH = "meshtrain per-op AC saves " + ",".join(sorted(str(op) for op in SAVE_OPS))
+
+
 def _op_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
     if func in SAVE_OPS:
         return CheckpointPolicy.MUST_SAVE
@@ -80,7 +84,11 @@ def _wrap(block: nn.Module, per_op: bool) -> nn.Module:
     kwargs = {"preserve_rng_state": _draws_random_numbers(block)}
     if per_op:
         SAC_IGNORED_OPS.update(PROFILER_RANGE_OPS)
-        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _op_policy)
+        context_fn = partial(create_selective_checkpoint_contexts, _op_policy)
+        # What AOT autograd's compile cache keys the policy by: without it a compiled block
+        # under per-op AC is never cached ("SAC context_fn does not have a cache_hash").
+        context_fn.cache_hash = POLICY_HASH
+        kwargs["context_fn"] = context_fn
     return checkpoint_wrapper(block, **kwargs)
 
 

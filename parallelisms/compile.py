@@ -113,10 +113,11 @@ def apply_compile(model: nn.Module, part: str | None = None) -> nn.Module:
 
 
 def key_compile_caches_to_rank(parallel_dims: ParallelDims) -> str:
-    """Makes this rank's entries in the on-disk compile caches (FX graph and AOT autograd,
-    under TORCHINDUCTOR_CACHE_DIR) its own: adds its global rank and the names of its
-    process groups, one per mesh dimension, to `torch.compiler.config.cache_key_tag`
-    (after any tag set by TORCH_COMPILE_CACHE_KEY_TAG). Returns the tag; none on one rank.
+    """Where a compiled graph can hold a DTensor (TP or EP shards the block weights): makes
+    this rank's entries in the on-disk compile caches (FX graph and AOT autograd, under
+    TORCHINDUCTOR_CACHE_DIR) its own by adding its global rank and the names of its process
+    groups, one per mesh dimension, to `torch.compiler.config.cache_key_tag` (after any tag
+    set by TORCH_COMPILE_CACHE_KEY_TAG). Returns the tag; none elsewhere.
 
     Why: a graph compiled under TP (the blocks, the loss-parallel loss) bakes in what the
     DTensors' mesh says on this rank: the name of the process group its collectives run on
@@ -125,9 +126,14 @@ def key_compile_caches_to_rank(parallel_dims: ParallelDims) -> str:
     TP group's graph to the other's ranks ("Could not resolve the process group registered
     under the name 3"), or one rank's coordinates to another. With the tag a rerun of the
     same layout still finds all its graphs (each rank its own), and the compiled kernels
-    themselves (keyed by their source) stay shared between ranks and runs."""
+    themselves (keyed by their source) stay shared between ranks and runs.
+
+    Without a DTensor in the graph (FSDP, HSDP, DDP, ZeRO, CP, PP: FSDP2 and ZeRO hand the
+    block its full weights as plain tensors, and CP's collectives name their group in the
+    graph itself) the key is the graph's content, so every rank of every layout that compiles
+    the same graph finds it: a restart at another data-parallel size compiles nothing again."""
     mesh = parallel_dims.mesh
-    if mesh is None or mesh.size() == 1:
+    if mesh is None or not (parallel_dims.tp_enabled or parallel_dims.ep_enabled):
         return ""
     groups = ",".join(f"{d}={g}" for d, g in sorted(parallel_dims.group_names().items()))
     ours = f"meshtrain rank {dist.get_rank()} groups {groups}"

@@ -11,10 +11,10 @@ real config loader; the output folder left out), the extra environment, and the 
 runs it starts from. Two modules that ask for the same run read one launch.
 
 Every run shares one inductor cache (`{pool}/inductor`), as runs on one machine do: the
-compiled kernels are keyed by their source, and the graphs by each rank's global rank and
-process groups (`parallelisms.compile.key_compile_caches_to_rank`), so a graph is found again
-only by the same rank of the same layout. A run whose environment names
-TORCHINDUCTOR_CACHE_DIR keeps its own. An environment value may name `{pool}`, the pool's folder.
+compiled kernels are keyed by their source, and the graphs by their content, so every rank of
+every layout that compiles the same graph finds it (a graph holding a DTensor, under TP or EP,
+is keyed by its rank and process groups too: `parallelisms.compile.key_compile_caches_to_rank`).
+A run whose environment names TORCHINDUCTOR_CACHE_DIR keeps its own. An environment value may name `{pool}`, the pool's folder.
 
 A run may start from another: `after` (a name of the same module: wait for it), `copy_from`
 ((name, path inside its folder): copied into this run's folder before the launch, "" the whole

@@ -103,8 +103,7 @@ def pool_runs(selected):
         "test_resume_and_reshard_cp": [*RESUMED, "llama_doc"],
         "test_document_mask_changes_training": ["llama", "llama_doc"],
     }
-    env = {"TORCHINDUCTOR_CACHE_DIR": "{pool}/inductor_cp"}  # see test_moe_parity
-    return family_pool_runs(selected, COMMON, REFERENCES, LAYOUTS, RESUMED, needs, env=env)
+    return family_pool_runs(selected, COMMON, REFERENCES, LAYOUTS, RESUMED, needs)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -107,6 +107,44 @@ def test_ac_op_policy_saves_matmuls_and_recomputes_the_rest():
     assert _op_policy(None, aten.mul.Tensor) == CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def test_ac_op_policy_is_a_cacheable_compile_key():
+    """AOT autograd caches a compiled block under per-op AC only when the policy names itself
+    (`cache_hash` on the context_fn); the name must change with the ops the policy saves."""
+    from parallelisms import activation_checkpoint as ac
+
+    block = apply_ac(tiny_model(), "selective", "op").layers["0"]
+    assert block.checkpoint_fn.keywords["context_fn"].cache_hash == ac.POLICY_HASH
+    assert "aten.mm.default" in ac.POLICY_HASH and "aten.mul" not in ac.POLICY_HASH
+
+
+@pytest.mark.parametrize(
+    ("tp", "ep", "keyed"), [(1, 1, False), (2, 1, True), (1, 2, True)], ids=["fsdp", "tp", "ep"]
+)
+def test_compile_cache_keys_per_rank_only_where_a_graph_sees_a_mesh(monkeypatch, tp, ep, keyed):
+    """A block graph under FSDP/DDP/ZeRO/CP/PP holds plain tensors and its collectives name
+    their groups in the graph itself, so its cache key is its content and other ranks and
+    layouts find it; a DTensor (TP, EP) carries its DeviceMesh, which the key hashes by type
+    only, so there each rank and set of groups keys its own."""
+    from dist_utils import fake_world
+
+    from parallelisms.compile import key_compile_caches_to_rank
+    from parallelisms.parallel_dims import ParallelDims
+
+    monkeypatch.setenv("TORCH_COMPILE_CACHE_KEY_TAG", "user")
+    with fake_world(4, rank=3), torch.compiler.config.patch(cache_key_tag=""):
+        dims = ParallelDims.from_config(
+            world_size=4, dp_replicate=1, dp_shard=-1, tp=tp, pp=1, ep=ep
+        )
+        dims.build_mesh("cpu")
+        tag = key_compile_caches_to_rank(dims)
+        assert torch.compiler.config.cache_key_tag == tag
+        groups = ",".join(f"{d}={g}" for d, g in sorted(dims.group_names().items()))
+    if keyed:
+        assert tag == f"user meshtrain rank 3 groups {groups}"
+    else:
+        assert tag == ""
+
+
 # --- distributed checks (spawned gloo ranks) ------------------------------------------------
 
 
