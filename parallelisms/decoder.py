@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,29 @@ from parallelisms.parallel_dims import ParallelDims, ParallelismError, tied_weig
 from parallelisms.pipeline import build_pipeline, stage_module_names
 from parallelisms.tensor_parallel import apply_tp, check_tp
 
+if TYPE_CHECKING:
+    from job_config.schema import ActivationCheckpoint, Compile, Parallelism, Training
+
 logger = logging.getLogger("meshtrain")
+
+
+@dataclass(frozen=True)
+class AssemblyConfig:
+    """The config sections a layout's assembly reads, and nothing else of the job config."""
+
+    parallelism: Parallelism
+    training: Training  # weight/compute/reduce dtypes, CPU offload, the local batch size
+    activation_checkpoint: ActivationCheckpoint
+    compile: Compile
+
+    @classmethod
+    def of(cls, job_config) -> AssemblyConfig:
+        return cls(
+            job_config.parallelism,
+            job_config.training,
+            job_config.activation_checkpoint,
+            job_config.compile,
+        )
 
 
 def decoder_problems(spec: ModelSpec, cfg, args) -> list[str]:
@@ -133,10 +156,14 @@ def _apply_expert_parallel(model: nn.Module, spec: ModelSpec, parallel_dims: Par
 
 
 def parallelize_decoder(
-    model: nn.Module, spec: ModelSpec, parallel_dims: ParallelDims, job_config, device_type: str
+    model: nn.Module,
+    spec: ModelSpec,
+    parallel_dims: ParallelDims,
+    options: AssemblyConfig,
+    device_type: str,
 ) -> nn.Module:
     """Applies the run's parallelisms to `model` (whole, or one pipeline stage) in place."""
-    p, ac, comp = job_config.parallelism, job_config.activation_checkpoint, job_config.compile
+    p, ac, comp = options.parallelism, options.activation_checkpoint, options.compile
     if spec.routing is not None:
         _apply_expert_parallel(model, spec, parallel_dims)
     if parallel_dims.tp_enabled:
@@ -148,10 +175,10 @@ def parallelize_decoder(
         apply_compile(model, spec.compile_module or None)
     if spec.routing is not None and parallel_dims.ep_enabled and parallel_dims.zero_stage < 3:
         for experts in spec.routing.experts([model]).values():  # own meshes, before the rest
-            apply_expert_zero(experts, parallel_dims, job_config.training, device_type)
+            apply_expert_zero(experts, parallel_dims, options.training, device_type)
     if parallel_dims.data_parallel_enabled:
         units = functools.partial(decoder_fsdp_units, spec=spec, parallel_dims=parallel_dims)
-        apply_data_parallel(model, parallel_dims, job_config.training, p, device_type, units)
+        apply_data_parallel(model, parallel_dims, options.training, p, device_type, units)
     return model
 
 
@@ -170,7 +197,7 @@ def assemble_model(
     model: nn.Module,
     spec: ModelSpec,
     parallel_dims: ParallelDims,
-    job_config,
+    options: AssemblyConfig,
     device: torch.device,
     loss_fn,
 ) -> ModelParts:
@@ -180,18 +207,18 @@ def assemble_model(
     yet materialised. CP comes first so the stages, the blocks AC recomputes and the graphs
     compile traces hold its gathers."""
     if parallel_dims.cp_enabled:
-        method = job_config.parallelism.context_parallel_method
+        method = options.parallelism.context_parallel_method
         apply_context_parallel(model, parallel_dims.dim("cp"), method)
     parallelize = functools.partial(
         parallelize_decoder,
         spec=spec,
         parallel_dims=parallel_dims,
-        job_config=job_config,
+        options=options,
         device_type=device.type,
     )
     if not parallel_dims.pp_enabled:
         return ModelParts([parallelize(model)])
-    p, batch = job_config.parallelism, job_config.training.local_batch_size
+    p, batch = options.parallelism, options.training.local_batch_size
     names = stage_module_names(len(model.layers), p, spec.embeddings, spec.head)
     built = ModelParts(
         *build_pipeline(model, parallel_dims, p, batch, device, loss_fn, names, parallelize)

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from models.mixed_precision import in_weight_dtype, mixed_precision_dtypes
-from parallelisms.decoder import assemble_model
+from parallelisms.decoder import AssemblyConfig, assemble_model
 from parallelisms.parallel_dims import ParallelDims
 from planning.communication import Experts
 from planning.memory import GIB, layer_attention_specs, rank_activations
@@ -264,7 +264,8 @@ def _parallelized_parts(spec, model_args, cfg, dims: ParallelDims) -> list[nn.Mo
     with torch.device("meta"):
         model = in_weight_dtype(spec.model_cls(model_args), cfg.training)
     meta = torch.device("meta")
-    return assemble_model(model, spec, dims, cfg, meta, lambda out, target: out.sum()).parts
+    options = AssemblyConfig.of(cfg)
+    return assemble_model(model, spec, dims, options, meta, lambda out, target: out.sum()).parts
 
 
 def simulate(

@@ -76,7 +76,7 @@ def training_step(cfg, dims, device):
     one optimizer step of them on one batch of random tokens: (step, model parts, optimizer)."""
     import torch
 
-    from models import model_args_for
+    from models import get_model_spec, model_args_for
     from training.inputs import sequence_inputs
     from training.loss import StepLoss, cross_entropy_sum
     from training.optimizer import build_optimizer, no_decay_patterns
@@ -93,7 +93,8 @@ def training_step(cfg, dims, device):
     model_args = model_args_for(cfg, t.seq_len, tokenizer.vocab_size)
     split = sequence_split(cfg, dims)  # this rank's CP shard of each sequence
     loss_fn = StepLoss(cross_entropy_sum)
-    built = build_model_parts(cfg, dims, model_args, device, loss_fn)
+    spec = get_model_spec(cfg.model.name)
+    built = build_model_parts(cfg, spec, dims, model_args, device, loss_fn)
     parts = built.parts
     optimizer = build_optimizer(parts, cfg.optimizer, device.type, no_decay_patterns(cfg))
     setup = build_step_setup(cfg, dims, device, built, loss_fn, split)

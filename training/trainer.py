@@ -21,10 +21,11 @@ from metrics import MetricsLogger, device_peak_flops, flops_per_token
 from metrics.memory import process_rss_gib
 from metrics.profiling import MemorySnapshot, PhaseTimer, Profiler
 from models import get_model_spec, model_args_for
+from models.contract import ModelSpec
 from models.init_weights import materialize
 from models.mixed_precision import in_weight_dtype, mixed_precision_dtypes, weight_dtype
 from parallelisms.compile import key_compile_caches_to_rank, maybe_compile_loss
-from parallelisms.decoder import ModelParts, assemble_model
+from parallelisms.decoder import AssemblyConfig, ModelParts, assemble_model
 from parallelisms.layout_record import built_layout, summarize, write_layout
 from parallelisms.parallel_dims import ParallelDims, log_mesh
 from planning.memory import layer_attention_specs
@@ -56,22 +57,23 @@ def load_tokenizer(cfg: JobConfig):
     return build_tokenizer(cfg.model.tokenizer_path)
 
 
-def meta_model(cfg: JobConfig, model_args) -> nn.Module:
+def meta_model(spec: ModelSpec, training, model_args) -> nn.Module:
     """The whole model on the meta device: shapes only, nothing allocated; its weights in
     the run's weight dtype (float64 in the float64 mode), before any parallelism sees them."""
     with torch.device("meta"):
-        model = get_model_spec(cfg.model.name).model_cls(model_args)
-    return in_weight_dtype(model, cfg.training)
+        model = spec.model_cls(model_args)
+    return in_weight_dtype(model, training)
 
 
-def build_model_parts(cfg, parallel_dims, model_args, device, loss_fn, model=None) -> ModelParts:
+def build_model_parts(
+    cfg, spec, parallel_dims, model_args, device, loss_fn, model=None
+) -> ModelParts:
     """This rank's materialised, initialised model parts: `assemble_model` on the meta model,
     then materialise -> re-tie -> init. `model`: the whole meta model when the caller built it
     already (to count its parameters before the split and sharding)."""
     if model is None:
-        model = meta_model(cfg, model_args)
-    spec = get_model_spec(cfg.model.name)
-    built = assemble_model(model, spec, parallel_dims, cfg, device, loss_fn)
+        model = meta_model(spec, cfg.training, model_args)
+    built = assemble_model(model, spec, parallel_dims, AssemblyConfig.of(cfg), device, loss_fn)
     init_device = "cpu" if cfg.training.enable_cpu_offload else device
     for part in built.parts:
         materialize(part, cfg.debug.seed, device, init_device).train()
@@ -140,15 +142,15 @@ def step_loss_fn(cfg: JobConfig) -> StepLoss:
     return StepLoss(maybe_compile_loss(cross_entropy_sum, cfg.compile))
 
 
-def build_model(cfg, parallel_dims, model_args, device, loss_fn, rank):
+def build_model(cfg, spec, parallel_dims, model_args, device, loss_fn, rank):
     """This rank's model parts (see `build_model_parts`), with the layout they make logged
     and written (layout.json, with the parameter counts); and the whole model's counts
     (`ParamCounts`) and each layer's attention spec (for the FLOPs per token), taken from the
     meta model before the pipeline split or sharding leaves a rank only its part."""
-    model = meta_model(cfg, model_args)
-    counts = param_counts(get_model_spec(cfg.model.name), model)
+    model = meta_model(spec, cfg.training, model_args)
+    counts = param_counts(spec, model)
     attention = layer_attention_specs(model)
-    built = build_model_parts(cfg, parallel_dims, model_args, device, loss_fn, model=model)
+    built = build_model_parts(cfg, spec, parallel_dims, model_args, device, loss_fn, model=model)
     layout = built_layout(built.parts, parallel_dims, built.schedule)
     layout["parameters"] = counts.as_dict()
     if rank == 0:
@@ -326,10 +328,10 @@ def build_observers(cfg: JobConfig, rank: int, device: torch.device, start_step:
     return metrics, profiler, snapshot, PhaseTimer(device)
 
 
-def scaled_routing(cfg: JobConfig, model_parts: list[nn.Module], tokens_per_rank_step: int):
+def scaled_routing(spec: ModelSpec, model_parts: list[nn.Module], tokens_per_rank_step: int):
     """The family's routing hooks (None without experts), their layers' own losses scaled as
     the step loss is: they are token sums, divided by this rank's tokens per step."""
-    routing = get_model_spec(cfg.model.name).routing
+    routing = spec.routing
     if routing is not None:
         routing.set_loss_scale(model_parts, 1.0 / tokens_per_rank_step)
     return routing
@@ -358,7 +360,10 @@ def build_run(cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, local_r
     batches = batch_sizes(cfg, dp_degree, parallel_dims.cp)
     step_loss = step_loss_fn(cfg)
     rss_before_model = process_rss_gib() if device.type == "cpu" else None
-    built, counts, attention = build_model(cfg, parallel_dims, model_args, device, step_loss, rank)
+    spec = get_model_spec(cfg.model.name)  # the family: looked up once, passed on
+    built, counts, attention = build_model(
+        cfg, spec, parallel_dims, model_args, device, step_loss, rank
+    )
     fpt, peak = model_rates(cfg, model_args, counts, device, batches, dp_degree, attention)
     warn_if_warmup_too_long(cfg)
     train_loader, val_loader = build_loaders(cfg, tokenizer, dp_rank, dp_degree, dp_group)
@@ -370,7 +375,7 @@ def build_run(cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, local_r
     )
     split = sequence_split(cfg, parallel_dims)
     setup = build_step_setup(cfg, parallel_dims, device, built, step_loss, split)
-    routing = scaled_routing(cfg, model_parts, batches.tokens_per_rank_step)
+    routing = scaled_routing(spec, model_parts, batches.tokens_per_rank_step)
     set_collective_timeout(cfg.comm.train_timeout_seconds)
     metrics, profiler, snapshot, phases = build_observers(cfg, rank, device, state.step)
     return Run(

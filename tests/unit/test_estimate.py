@@ -20,7 +20,7 @@ from job_config import parse_args
 from metrics.memory_report import memory_report
 from models import arg_overrides, build_model_args, get_model_spec, model_args_for
 from models.init_weights import materialize
-from parallelisms.decoder import parallelize_decoder
+from parallelisms.decoder import AssemblyConfig, parallelize_decoder
 from parallelisms.parallel_dims import ParallelDims
 from planning.advise import Workload, advise, analytic_activations, analytic_memory, fits
 from planning.communication import (
@@ -99,7 +99,8 @@ def _real_step(cfg, world: int, tp: int, zero: int, counter: CommCounter | None 
         dims.build_mesh("cpu")
         with torch.device("meta"):
             model = spec.model_cls(_args(cfg))
-        model = materialize(parallelize_decoder(model, spec, dims, cfg, "cpu"), 0, "cpu")
+        model = parallelize_decoder(model, spec, dims, AssemblyConfig.of(cfg), "cpu")
+        model = materialize(model, 0, "cpu")
         opt = build_optimizer([model], cfg.optimizer, "cpu", no_decay_patterns(cfg))
         tokens, labels = torch.randint(0, 4096, (2, 32)), torch.randint(0, 4096, (2, 32))
         with counter if counter is not None else contextlib.nullcontext():
@@ -338,7 +339,7 @@ def test_gathered_elements_equal_fsdp_unsharded_parameters_under_tp():
         dims.build_mesh("cpu")
         with torch.device("meta"):
             model = spec.model_cls(_args(cfg))
-        model = parallelize_decoder(model, spec, dims, cfg, "cpu")
+        model = parallelize_decoder(model, spec, dims, AssemblyConfig.of(cfg), "cpu")
         model.to_empty(device="cpu")
         # the case this checks is present: FSDP's dp placement of the column-sharded weights
         assert any(isinstance(p.placements[0], _StridedShard) for p in model.parameters())
@@ -408,7 +409,7 @@ def test_gathered_experts_equal_fsdp_unshard_under_ep():
         dims.build_mesh("cpu")
         with torch.device("meta"):
             model = spec.model_cls(_args(cfg))
-        model = parallelize_decoder(model, spec, dims, cfg, "cpu")
+        model = parallelize_decoder(model, spec, dims, AssemblyConfig.of(cfg), "cpu")
         model.to_empty(device="cpu")
         experts = model.layers["0"].moe.experts
         assert all(on_ep_mesh(p) for p in experts.parameters())

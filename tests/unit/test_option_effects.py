@@ -42,7 +42,7 @@ from checkpoint.state import COMPONENTS
 from data.shuffle import permuted
 from job_config import JobConfig, parse_args
 from job_config.schema import config_sections
-from models import model_args_for
+from models import get_model_spec, model_args_for
 from parallelisms.layout_record import _rank_view
 from parallelisms.parallel_dims import ParallelDims
 from training.inputs import sequence_inputs
@@ -155,9 +155,14 @@ def vocab(case: Case) -> int:
 def model(case: Case) -> torch.nn.Module:
     """The whole model on meta, as `build_run` builds it (its RoPE table filled)."""
     cfg = case.cfg
-    m = meta_model(cfg, model_args_for(cfg, cfg.training.seq_len, vocab(case)))
+    args = model_args_for(cfg, cfg.training.seq_len, vocab(case))
+    m = meta_model(get_model_spec(cfg.model.name), cfg.training, args)
     m.init_buffers("cpu")
     return m
+
+
+def _sum_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return out.sum()
 
 
 def real_parts(case: Case) -> list[torch.nn.Module]:
@@ -165,7 +170,8 @@ def real_parts(case: Case) -> list[torch.nn.Module]:
     cfg = case.cfg
     args = model_args_for(cfg, cfg.training.seq_len, vocab(case))
     dims = ParallelDims.from_parallelism(cfg.parallelism, 1)
-    return build_model_parts(cfg, dims, args, torch.device("cpu"), lambda out, t: out.sum()).parts
+    spec = get_model_spec(cfg.model.name)
+    return build_model_parts(cfg, spec, dims, args, torch.device("cpu"), _sum_loss).parts
 
 
 _BUILT: dict[tuple, Any] = {}  # built layouts by command line (the dump folder left out)
@@ -207,7 +213,8 @@ def _build_layout(case: Case, world: int):
     args = model_args_for(cfg, cfg.training.seq_len, vocab(case))
     with fake_world(world), mock.patch("torch.compile", fake_compile):
         dims.build_mesh("cpu")
-        built = build_model_parts(cfg, dims, args, torch.device("cpu"), lambda out, t: out.sum())
+        spec = get_model_spec(cfg.model.name)
+        built = build_model_parts(cfg, spec, dims, args, torch.device("cpu"), _sum_loss)
         parts, schedule = built.parts, built.schedule
         view = _rank_view(parts, dims)
         view["mesh"] = {n: dims.mesh[n].size() for n in dims.mesh.mesh_dim_names or ()}
