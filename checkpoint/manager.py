@@ -34,7 +34,9 @@ from checkpoint.state import (
     check_model_args,
     model_view,
     read_metadata,
+    reading_aliases,
     single_process,
+    tied_aliases,
 )
 from checkpoint.storage import (
     CheckpointError,
@@ -285,8 +287,10 @@ class CheckpointManager:
             check_model_args(
                 path, layout, getattr(self.model_parts[0], "args", None), function_args
             )
-        check_fits(path, sd, metadata, self.pg)
-        with single_process():
+        tied = getattr(self.model_parts[0], "tied_parameters", dict)()
+        aliases = tied_aliases(sd, metadata, tied)
+        check_fits(path, sd, metadata, self.pg, aliases)
+        with single_process(), reading_aliases(sd, aliases):
             dcp.load(
                 sd,
                 storage_reader=FileSystemReader(path),

@@ -17,6 +17,7 @@ checkpointing) or pipeline split the run uses, so every layout can load every ot
 from __future__ import annotations
 
 import contextlib
+import itertools
 import pickle
 import random
 import warnings
@@ -168,6 +169,41 @@ def apply_state(
         set_rng_state(sd["rng"][f"rank{rank}"])
 
 
+def tied_aliases(sd: dict, metadata: dict, tied: dict[str, str]) -> list[tuple[str, str, str]]:
+    """(section, key, alias) for each entry of `sd` that belongs to a tied weight's second use
+    (`tied`: {copy: parameter}, the model's `tied_parameters()`) and that the checkpoint holds
+    only under the parameter's own name: a layout that keeps one tied parameter (FSDP, ZeRO)
+    saves its optimizer state once, and a pipeline stage holding the copy reads that."""
+    out = []
+    for section, prefixes in (("model", ("",)), ("optimizer", ("state.", "param_groups."))):
+        for key in sd.get(section, {}):
+            for (copy, source), pre in itertools.product(tied.items(), prefixes):
+                if key == pre + copy or key.startswith(f"{pre}{copy}."):
+                    alias = pre + source + key[len(pre + copy) :]
+                    if f"{section}.{key}" not in metadata and f"{section}.{alias}" in metadata:
+                        out.append((section, key, alias))
+    return out
+
+
+@contextlib.contextmanager
+def reading_aliases(sd: dict, aliases: list[tuple[str, str, str]]):
+    """Around a DCP load into `sd`: each aliased entry is read under its alias (or, where this
+    rank holds the alias too, copied from it after the load)."""
+    moved = [(s, k, a) for s, k, a in aliases if a not in sd[s]]
+    for section, key, alias in moved:
+        sd[section][alias] = sd[section].pop(key)
+    yield
+    for section, key, alias in moved:
+        sd[section][key] = sd[section].pop(alias)
+    for section, key, alias in aliases:
+        if (section, key, alias) not in moved:
+            value, target = sd[section][alias], sd[section][key]
+            if isinstance(target, torch.Tensor):
+                target.copy_(value)
+            else:
+                sd[section][key] = value
+
+
 @contextlib.contextmanager
 def single_process():
     """Silences DCP's warning that a one-process save/load runs without a process group."""
@@ -230,14 +266,16 @@ def check_model_args(path, layout: dict, args, function_args: tuple[str, ...]) -
         )
 
 
-def check_fits(path, sd: dict, metadata: dict, group=None) -> None:
+def check_fits(path, sd: dict, metadata: dict, group=None, aliases=()) -> None:
     """Raises one CheckpointError listing every key of `sd` missing from the checkpoint,
     every shape that differs, and every model key of the checkpoint that no rank's model has.
-    A collective: all ranks call it and all raise the same message."""
+    `aliases` (`tied_aliases`): entries read under another name. A collective: all ranks call
+    it and all raise the same message."""
     flat, _ = flatten_state_dict(sd)
+    read_as = {f"{s}.{k}": f"{s}.{a}" for s, k, a in aliases}
     missing, mismatched = [], []
     for key, value in flat.items():
-        md = metadata.get(key)
+        md = metadata.get(read_as.get(key, key))
         if md is None:
             missing.append(key)
             continue

@@ -131,6 +131,11 @@ class Decoder(nn.Module):
         if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
 
+    def tied_parameters(self) -> dict[str, str]:
+        """Shared parameters as {the second use's name: the parameter's own name}: what a
+        pipeline split that puts the two uses on two stages keeps as two equal copies."""
+        return {"output.weight": "tok_embeddings.weight"} if self.args.tie_embeddings else {}
+
     def forward(
         self,
         tokens: torch.Tensor,

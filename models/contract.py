@@ -6,7 +6,9 @@ A family folder `models/<name>/` fulfils it (Llama 3, Qwen3 and Qwen3-MoE are th
   blocks in `model.layers` (a ModuleDict keyed by layer index), the `embeddings` and `head`
   modules the spec names (None on pipeline stages that lack them), `init_param(name, tensor,
   generator)` (the full value of one parameter), `init_buffers(device)`, and `tie_weights()`
-  when some parameters are shared (called again after materialisation, which unties them);
+  when some parameters are shared (called again after materialisation, which unties them)
+  with `tied_parameters()` naming them ({second use: the parameter's own name}: a pipeline
+  split keeps the two uses on two stages as equal copies);
 - `args` dataclass fields the framework reads (`ARGS_FIELDS`); the `[model]` shape overrides
   replace fields of that name; a mixture-of-experts family also `n_experts` and `top_k`;
 - `tp_plan(loss_parallel)`: its tensor-parallel plan (a `models.tp_plan.TPPlan`);

@@ -43,8 +43,10 @@ def init_weights(model: nn.Module, seed: int, device: torch.device | str | None 
     model's own `init_param` rules, identically under every layout. Values are drawn on
     `device` (default: where each parameter lives): a CPU-offloaded run draws on its compute
     device, so it starts from the same weights as the same run without offload."""
+    tied = model.tied_parameters() if hasattr(model, "tied_parameters") else {}
     for raw_name, param in model.named_parameters():
         name = canonical_name(raw_name)
+        name = tied.get(name, name)  # a stage's copy of a tied weight starts as the weight
         local = param.to_local() if isinstance(param, DTensor) else param
         where = local.device if device is None else torch.device(device)
         gen = torch.Generator(device=where).manual_seed(param_seed(seed, name))

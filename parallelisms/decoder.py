@@ -40,9 +40,16 @@ from parallelisms.context_parallel import (
 from parallelisms.data_parallel import apply_data_parallel, apply_expert_zero
 from parallelisms.expert_parallel import apply_ep, replicate_experts
 from parallelisms.fsdp import FsdpUnit, embed_blocks_head_units, fsdp_mesh
-from parallelisms.parallel_dims import ParallelDims, ParallelismError, tied_weight_problems
-from parallelisms.pipeline import build_pipeline, stage_module_names
+from parallelisms.parallel_dims import ParallelDims, ParallelismError
+from parallelisms.pipeline import (
+    build_pipeline,
+    is_v_schedule,
+    schedule_class,
+    stage_module_names,
+    stage_to_rank,
+)
 from parallelisms.tensor_parallel import apply_tp, check_tp
+from parallelisms.tied_weights import TiedWeights, tied_weights
 
 if TYPE_CHECKING:
     from job_config.schema import ActivationCheckpoint, Compile, Parallelism, Training
@@ -71,16 +78,14 @@ class AssemblyConfig:
 
 def decoder_problems(spec: ModelSpec, cfg, args) -> list[str]:
     """What this run of the family cannot do, from the config alone: TP must split the heads
-    and the sequence, tied weights rule out PP, CP must be able to honour every
-    attention layer, then the family's own checks."""
+    and the sequence, CP must be able to honour every attention layer, then the family's own
+    checks."""
     problems = []
     try:
         check_tp(args.n_heads, args.n_kv_heads, cfg.training.seq_len,
                  cfg.parallelism.tensor_parallel_degree)  # fmt: skip
     except ParallelismError as e:
         problems.append(str(e))
-    if getattr(args, "tie_embeddings", False):
-        problems += tied_weight_problems(cfg.parallelism, cfg.model.flavor)
     if cfg.parallelism.context_parallel_degree > 1:
         with torch.device("meta"):  # shapes only: the check runs one forward
             problems += attention_problems(spec.model_cls(args), cfg.training.seq_len)
@@ -191,6 +196,7 @@ class ModelParts:
     schedule: object | None = None
     has_first_stage: bool = True
     has_last_stage: bool = True
+    tied: TiedWeights | None = None  # tied weights the pipeline split keeps as two copies
 
 
 def assemble_model(
@@ -227,6 +233,12 @@ def assemble_model(
         schedule = built.schedule
         for stage in getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]:
             _uncounted_metadata_forward(stage, spec.routing)
+    pp_mesh = parallel_dims.dim("pp")
+    v_style = is_v_schedule(schedule_class(p.pipeline_parallel_schedule))
+    owner = stage_to_rank(pp_mesh.size(), len(names), v_style)
+    built.tied = tied_weights(
+        built.parts, pp_mesh.get_group(), pp_mesh.get_local_rank(), owner[0], owner[len(names) - 1]
+    )
     return built
 
 

@@ -293,16 +293,3 @@ def log_mesh(parallel_dims: ParallelDims) -> None:
     if mesh is not None and mesh.mesh_dim_names:
         coords = {n: mesh[n].get_local_rank() for n in mesh.mesh_dim_names}
     logger.info("mesh: %s | rank %d coordinates %s", parallel_dims.describe(), rank, coords)
-
-
-def tied_weight_problems(parallelism, flavor: str) -> list[str]:
-    """What a model with tied (shared) parameters cannot run, for a family's `validate`:
-    pipeline parallelism would put the two uses on two stages. (Data parallelism of every
-    kind holds a shared parameter once: FSDP2 in one unit, ZeRO 0-2 as one master.)"""
-    if parallelism.pipeline_parallel_degree == 1:
-        return []
-    return [
-        f"model.flavor = '{flavor}' ties the output projection to the token embeddings, "
-        "which pipeline parallelism would put on two stages: use an untied flavor, or "
-        "pipeline_parallel_degree = 1."
-    ]

@@ -121,6 +121,7 @@ class Run:
     val_sources: dict | None = None  # validation.per_source: metric label -> loader
     # derived from the above:
     params: list[torch.Tensor] = field(init=False)  # this rank's, for the gradient-norm clip
+    tied_copies: list[torch.Tensor] = field(init=False)  # among params: clipped, not counted
     pp_group: dist.ProcessGroup | None = field(init=False)  # the norm's sum over the stages
     first_step: int = field(init=False)  # after a resume too; its time includes compilation
     non_finite: NonFiniteWatch = field(init=False)
@@ -128,6 +129,7 @@ class Run:
 
     def __post_init__(self) -> None:
         self.params = [p for part in self.setup.model_parts for p in part.parameters()]
+        self.tied_copies = self.setup.tied.copies if self.setup.tied is not None else []
         dims = self.parallel_dims
         self.pp_group = dims.dim("pp").get_group() if dims.pp_enabled else None
         self.first_step = self.state.step + 1
@@ -188,7 +190,9 @@ def log_memory(run: Run) -> None:
 
 def optimizer_step(run: Run) -> tuple[torch.Tensor, float]:
     """Clip, step, advance the LR schedule and the profilers; (gradient norm, the step's LR)."""
-    grad_norm = clip_grad_norm_(run.params, run.cfg.training.max_norm, run.pp_group)
+    grad_norm = clip_grad_norm_(
+        run.params, run.cfg.training.max_norm, run.pp_group, run.tied_copies
+    )
     run.optimizer.step()  # waits first for an async save's copy (the checkpointer's hook)
     if run.routing is not None:  # MoE: the step's expert loads, the balancing bias
         run.routing.after_optimizer_step(run.setup.model_parts)

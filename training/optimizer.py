@@ -9,6 +9,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from models import get_model_spec
+from models.init_weights import canonical_name
 
 
 def no_decay_patterns(cfg) -> list[str]:
@@ -24,7 +25,9 @@ def param_groups(model_parts: list[nn.Module], weight_decay: float, no_decay: li
     plain dense weights) is split in two: fused and foreach kernels take one kind per call."""
     decay, keep = [], []
     for part in model_parts:
-        for name, p in part.named_parameters():
+        tied = part.tied_parameters() if hasattr(part, "tied_parameters") else {}
+        for raw, p in part.named_parameters():
+            name = tied.get(canonical_name(raw), raw)  # a tied weight's copy: as the weight
             if p.requires_grad:
                 (keep if any(s in name for s in no_decay) else decay).append(p)
     groups = []

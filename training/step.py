@@ -38,6 +38,8 @@ class StepSetup:
     )
     # how a loaded batch becomes this rank's model inputs (CP shard, attention coordinates)
     split: SequenceSplit = field(default_factory=SequenceSplit)
+    # tied weights a pipeline split keeps as two copies (parallelisms.tied_weights)
+    tied: object | None = None
 
 
 def _set_grad_sync(model_parts: list[nn.Module], enabled: bool) -> None:
@@ -111,22 +113,30 @@ def train_step(setup: StepSetup, microbatches: list[tuple[torch.Tensor, torch.Te
                     )
                 _set_grad_sync(setup.model_parts, sync)
                 _reduce_local_gradients(setup.model_parts)
+                if sync and setup.tied is not None:  # once per step, on reduced gradients
+                    setup.tied.sum_gradients()
                 if setup.pp_last_stage:
                     total += torch.stack([x.detach() for x in losses]).sum()
     return total
 
 
 def clip_grad_norm_(
-    parameters: list[torch.Tensor], max_norm: float, pp_group: dist.ProcessGroup | None = None
+    parameters: list[torch.Tensor],
+    max_norm: float,
+    pp_group: dist.ProcessGroup | None = None,
+    uncounted: list[torch.Tensor] = (),
 ) -> torch.Tensor:
     """Clips to the true global L2 norm across every mesh dimension and pipeline stage.
 
     Gradients are grouped by kind (plain tensors, and DTensors per mesh and placements: e.g.
     FSDP x TP shards, ZeRO-1/2 shards, TP-only replicas), each group's norm is completed over
-    its mesh (`full_tensor` sums the shards' squares), and the groups' squares are added."""
+    its mesh (`full_tensor` sums the shards' squares), and the groups' squares are added.
+    `uncounted` (among `parameters`): clipped, but left out of the norm (a tied weight's
+    second copy, whose gradient the first already counts)."""
     groups: dict[object, list[torch.Tensor]] = {}
+    skip = {id(p) for p in uncounted}
     for p in parameters:
-        if p.grad is not None:
+        if p.grad is not None and id(p) not in skip:
             g = p.grad
             key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
             groups.setdefault(key, []).append(p)
@@ -147,7 +157,7 @@ def clip_grad_norm_(
         dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=pp_group)
         norm = norm.sqrt()
     if max_norm > 0:
-        for params in groups.values():
+        for params in [*groups.values(), *([p] for p in uncounted if p.grad is not None)]:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
     return norm
 

@@ -303,6 +303,7 @@ def build_step_setup(cfg, parallel_dims, device, built, loss_fn, split):
         pp_last_stage=built.has_last_stage,
         loss_context=loss_context,
         autocast=autocast,
+        tied=built.tied,
     )
 
 

@@ -48,6 +48,11 @@ LAYOUTS = {
     "hsdp": (PARITY["hsdp_2x2"].nproc, PARITY["hsdp_2x2"].args),
     # Llama 3.2's tied embeddings under TP 2 x FSDP 2 (the one matrix re-tied after a load)
     "tied_tp2_fsdp2": (PARITY["tied_tp2_fsdp2"].nproc, PARITY["tied_tp2_fsdp2"].args),
+    # the same tied model split by PP: the output's copy on the last stage loads its own name
+    "tied_pp2": (
+        2,
+        ("--model.flavor=1B", *PP, "--parallelism.pipeline_parallel_microbatch_size=2"),
+    ),
     "pp2": (PP_PARITY["pp2_1f1b"].nproc, PP_PARITY["pp2_1f1b"].args),
     "pp2_interleaved": (2, PP_PARITY["pp2_interleaved_1f1b"].args),
     "pp2_2_layers": (2, PP),  # one layer per stage, the default schedule
@@ -68,6 +73,8 @@ RESHARDS = [
     # two pipeline stages per rank (one optimizer over both parts) save under the plain
     # model's names: FSDP 2 continues from them
     ("pp2_interleaved", "fsdp2"),
+    # tied embeddings: one matrix under TP x FSDP, two equal copies on two stages under PP
+    ("tied_tp2_fsdp2", "tied_pp2"),
 ]
 # checkpoint.hf_export from these layouts: (family, layout, more arguments)
 HF_EXPORTS = [

@@ -59,6 +59,7 @@ REFERENCES = {
     "moe_z_bias": (*MOE, *Z_BIAS),
     # 4 layers: the V and interleaved schedules hold 2 stages per rank
     "moe_z_bias_4_layers": (*MOE, *Z_BIAS, "--model.n_layers=4"),
+    "qwen3_4_layers": ("--model.name=qwen3", "--model.n_layers=4"),
     # sinks, a 16-token window on layer 0, YaRN, biases, the clamped experts (PP: Z_BIAS)
     "gpt_oss": ("--model.name=gpt_oss", "--optimizer.lr=1e-3", *Z_BIAS),
     "gpt_oss_doc": (
@@ -125,6 +126,14 @@ LAYOUTS = table(
     # the sinks sliced twice: by TP (the rank's heads) and by Ulysses (its head group), with
     # gpt-oss's 2 KV heads at 1 per TP rank copied to both CP head groups
     Layout("gpt_oss_tp2_cp2_ulysses", 4, (*GPT_OSS, *ULYSSES, "--parallelism.context_parallel_degree=2", "--parallelism.tensor_parallel_degree=2"), "gpt_oss", FP64),
+    # tied embeddings split by PP: the output's copy on the last stage starts as the
+    # embedding, the two gradients are summed (the P2P exchange between the end ranks; in
+    # place on one rank under a V schedule; TP's replicated embedding gradient re-sharded
+    # first) and counted once in the norm, the copy decays as the embedding (not at all)
+    Layout("qwen3_pp2", 2, (*QWEN3, "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2"), "qwen3", FP64),
+    Layout("qwen3_pp2_zbv", 2, (*REFERENCES["qwen3_4_layers"], "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=ZBVZeroBubble", "--parallelism.pipeline_parallel_microbatch_size=2"), "qwen3_4_layers", FP64),
+    Layout("gemma2_pp2_fsdp2", 4, (*GEMMA2, "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2", "--training.local_batch_size=4"), "gemma2", FP64),
+    Layout("gemma3_pp2_tp2", 4, (*GEMMA3, "--parallelism.tensor_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2"), "gemma3", FP64),
     Layout("moe_ep2_pp2_ddp", 4, (*MOE_Z_BIAS, "--parallelism.expert_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2", "--parallelism.zero_stage=0", "--training.local_batch_size=4"), "moe_z_bias", FP64),
 )
 # fmt: on

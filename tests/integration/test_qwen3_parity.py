@@ -3,7 +3,8 @@ untied: the same harness as Llama's (`tests/parity.py`: loss and gradient norm a
 final weights, the layout built), on the tiny shape of `tests/tiny_model.toml` with Qwen3's
 QK-norm and a head_dim (32) that is not dim / n_heads (16). Tied: the output projection is the
 token embedding matrix, one parameter, under FSDP (one unit), TP (both Shard(0) on the
-vocabulary) and TP x FSDP; pipeline parallelism and ZeRO 0-2 refuse tied weights up front.
+vocabulary) and TP x FSDP; split by pipeline parallelism, two equal copies (the float64 rows
+`qwen3_pp2` and `qwen3_pp2_zbv` in test_fp64_parity.py).
 """
 
 from __future__ import annotations

@@ -742,4 +742,58 @@ MUTANTS = [
         "t.repeat(1, self.cp // k.shape[1], 1, 1)",
         (f"{FP64_PARITY}[llama_cp4_ulysses]",),
     ),
+    Mutant(
+        "tied_gradients_not_summed",
+        "Tied embeddings split by PP: the embedding and the output's copy each step on their "
+        "own gradient, never summed",
+        "training/step.py",
+        "                    setup.tied.sum_gradients()",
+        "                    pass",
+        (f"{FP64_PARITY}[qwen3_pp2]",),
+    ),
+    Mutant(
+        "tied_copy_counted_in_grad_norm",
+        "Tied embeddings split by PP: the output's copy is counted in the gradient norm beside "
+        "the embedding",
+        "training/loop.py",
+        "self.tied_copies = self.setup.tied.copies if self.setup.tied is not None else []",
+        "self.tied_copies = []",
+        (f"{FP64_PARITY}[qwen3_pp2_zbv]",),
+    ),
+    Mutant(
+        "tied_copy_initialised_as_the_output",
+        "Tied embeddings split by PP: the last stage initialises its copy by the output "
+        "projection's rule, not as the embedding",
+        "models/init_weights.py",
+        "name = tied.get(name, name)",
+        "name = name",
+        (f"{FP64_PARITY}[qwen3_pp2]",),
+    ),
+    Mutant(
+        "tied_copy_decays",
+        "Tied embeddings split by PP: the output's copy is weight-decayed while the embedding "
+        "is not",
+        "training/optimizer.py",
+        "name = tied.get(canonical_name(raw), raw)",
+        "name = raw",
+        (f"{FP64_PARITY}[gemma2_pp2_fsdp2]",),
+    ),
+    Mutant(
+        "tied_tp_gradient_exchanged_as_it_comes",
+        "Tied embeddings split by PP under TP: the embedding's replicated gradient is "
+        "exchanged with the copy's sharded one without re-sharding it",
+        "parallelisms/tied_weights.py",
+        "    if tuple(g.placements) != tuple(p.placements):",
+        "    if False:",
+        (f"{FP64_PARITY}[gemma3_pp2_tp2]",),
+    ),
+    Mutant(
+        "tied_copy_state_not_read_from_the_parameter",
+        "Tied embeddings resharded into PP: the output's copy does not read the optimizer state "
+        "that a one-parameter layout saved under the embedding's name",
+        "checkpoint/state.py",
+        "                        out.append((section, key, alias))",
+        "                        pass",
+        ("tests/integration/test_checkpoint_train.py::test_reshard[tied_tp2_fsdp2-tied_pp2]",),
+    ),
 ]

@@ -84,18 +84,18 @@ def test_family_checks_run_with_the_config():
     from training.preflight import check_config
 
     base = ["--config", "debug_model", "--model.name", "qwen3", "--model.flavor", "debugmodel"]
-    cfg = parse_args([*base, "--parallelism.pipeline_parallel_degree", "2",
+    cfg = parse_args([*base, "--parallelism.expert_parallel_degree", "2",
                       "--parallelism.tensor_parallel_degree", "3"])  # fmt: skip
     with pytest.raises(ValueError) as e:
         check_config(cfg, world_size=6)
     text = str(e.value)
-    assert "ties the output projection" in text and "pipeline parallelism" in text
+    assert "'qwen3' has no experts" in text
     assert "tensor_parallel_degree = 3 must divide" in text  # both, in one message
-    cfg = parse_args([*base[:-1], "debugmodel_untied", "--parallelism.pipeline_parallel_degree",
-                      "2"])  # fmt: skip
-    check_config(cfg, world_size=2)
-    spec = get_model_spec("qwen3")
-    assert decoder_problems(spec, cfg, flavors["debugmodel_untied"]) == []
+    # tied embeddings compose with PP (the copy on the last stage: parallelisms/tied_weights.py)
+    for flavor in ("debugmodel", "debugmodel_untied"):
+        cfg = parse_args([*base[:-1], flavor, "--parallelism.pipeline_parallel_degree", "2"])
+        check_config(cfg, world_size=2)
+        assert decoder_problems(get_model_spec("qwen3"), cfg, flavors[flavor]) == []
 
 
 def test_register_checks_the_args_the_framework_reads():

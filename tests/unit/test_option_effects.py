@@ -276,8 +276,8 @@ def clipped_norm(case: Case) -> float:
     opt.register_step_pre_hook(lambda *_: seen.append(round(p.grad.norm().item(), 4)))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     noop = SimpleNamespace(mark=lambda *_: None, step=lambda *_: None)
-    run = SimpleNamespace(cfg=case.cfg, params=[p], pp_group=None, optimizer=opt, routing=None,
-                          state=SimpleNamespace(step=1), first_step=0, lr_scheduler=sched,
+    run = SimpleNamespace(cfg=case.cfg, params=[p], tied_copies=[], pp_group=None, optimizer=opt,
+                          routing=None, state=SimpleNamespace(step=1), first_step=0, lr_scheduler=sched,
                           phases=noop, profiler=noop, snapshot=noop)  # fmt: skip
     optimizer_step(run)
     return seen[0]
