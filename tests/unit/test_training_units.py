@@ -1,4 +1,5 @@
-"""LR schedule values, weight-decay groups, and gradient-accumulation equivalence."""
+"""LR schedule values, weight-decay groups, gradient-accumulation equivalence, and the tied
+copy's checkpoint state read under its parameter's name."""
 
 import math
 
@@ -323,3 +324,33 @@ def test_validation_steps_are_whole_global_batches_whatever_the_split():
     assert read(2, 2) == [[0, 1], [2, 3]]
     assert read(3, 5) == [[0, 1, 2], [3, 4, 5]]
     assert read(2, 0) == []
+
+
+def test_tied_copy_reads_what_a_one_parameter_layout_saved():
+    """A layout that keeps one tied parameter saves its optimizer state under the parameter's
+    name only; the copy a pipeline stage holds reads it from there (`tied_aliases`), whether
+    this rank holds the parameter too (copied after the load) or not (read under its name)."""
+    from checkpoint.state import reading_aliases, tied_aliases
+
+    tied = {"output.weight": "tok_embeddings.weight"}
+    metadata = {f"optimizer.state.tok_embeddings.weight.{k}": None for k in ("exp_avg", "step")}
+    metadata |= {"model.output.weight": None, "model.tok_embeddings.weight": None}
+    last_stage = {"model": {"output.weight": torch.zeros(2)},
+                  "optimizer": {"state.output.weight.exp_avg": torch.zeros(2)}}  # fmt: skip
+    aliases = tied_aliases(last_stage, metadata, tied)
+    assert aliases == [("optimizer", "state.output.weight.exp_avg",
+                        "state.tok_embeddings.weight.exp_avg")]  # fmt: skip
+    with reading_aliases(last_stage, aliases):
+        assert list(last_stage["optimizer"]) == ["state.tok_embeddings.weight.exp_avg"]
+        last_stage["optimizer"]["state.tok_embeddings.weight.exp_avg"].fill_(3.0)  # the load
+    assert last_stage["optimizer"]["state.output.weight.exp_avg"].tolist() == [3.0, 3.0]
+
+    both = {"optimizer": {"state.tok_embeddings.weight.exp_avg": torch.zeros(2),
+                          "state.output.weight.exp_avg": torch.zeros(2)}}  # fmt: skip
+    aliases = tied_aliases(both, metadata, tied)
+    with reading_aliases(both, aliases):
+        both["optimizer"]["state.tok_embeddings.weight.exp_avg"].fill_(5.0)
+    assert both["optimizer"]["state.output.weight.exp_avg"].tolist() == [5.0, 5.0]
+    assert (
+        tied_aliases(both, {**metadata, "optimizer.state.output.weight.exp_avg": None}, tied) == []
+    )
