@@ -283,3 +283,38 @@ def _sinks_split_over_the_sequence_by(method, kv_heads, rank, world, mesh) -> No
 
 def test_distributed_units_two_ranks():
     spawn(_two_rank_checks, 2)
+
+
+def _compile_in_turns(rank: int, world: int, cache: str) -> None:
+    """Both ranks compile one graph into one cache folder at the same moment."""
+    import os
+
+    import torch._dynamo
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+
+    from parallelisms.compile import inductor_in_turns
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+    torch._dynamo.reset()
+    counters.clear()
+    fn = torch.compile(lambda x: (x.sin() * x).sum(), backend=inductor_in_turns)
+    x = torch.randn(8, requires_grad=True)
+    dist.barrier()
+    loss = fn(x)
+    dist.barrier()  # the backward of both at once
+    loss.backward()
+    assert torch.allclose(x.grad, x.cos() * x + x.sin())
+    mine = [counters["inductor"][k] for k in ("fxgraph_cache_miss", "fxgraph_cache_hit")]
+    both = [None] * world
+    dist.all_gather_object(both, mine)
+    print(f"rank {rank}: FX graph cache misses, hits {both}", flush=True)
+    assert sorted(both) == [[0, 2], [2, 0]], both
+
+
+def test_ranks_compiling_one_graph_take_turns(tmp_path):
+    """Ranks that compile the same graph take turns (`parallelisms.compile.inductor_in_turns`):
+    one compiles its forward and backward, the other then finds both in the FX graph cache
+    (concurrently, both would compile both; a backward compiled at its first call, outside
+    the turn, would be compiled by both)."""
+    spawn(_compile_in_turns, 2, str(tmp_path / "inductor"))

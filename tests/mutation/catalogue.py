@@ -796,4 +796,20 @@ MUTANTS = [
         "                        pass",
         ("tests/integration/test_checkpoint_train.py::test_reshard[tied_tp2_fsdp2-tied_pp2]",),
     ),
+    Mutant(
+        "compile_turn_not_taken",
+        "Ranks compiling the same graph do not take turns: each compiles it at the same time",
+        "parallelisms/compile.py",
+        '    with FileLock(os.path.join(folder, f"{key}.lock")):',
+        "    with contextlib.nullcontext():",
+        (f"{DIST_UNITS}::test_ranks_compiling_one_graph_take_turns",),
+    ),
+    Mutant(
+        "compile_turn_leaves_the_backward_lazy",
+        "The backward graph is compiled at its first call, outside the rank's compile turn",
+        "parallelisms/compile.py",
+        'eager_backward["force_non_lazy_backward_lowering"] = True',
+        'eager_backward["force_non_lazy_backward_lowering"] = False',
+        (f"{DIST_UNITS}::test_ranks_compiling_one_graph_take_turns",),
+    ),
 ]
