@@ -141,8 +141,8 @@ def inductor_in_turns(gm: fx.GraphModule, example_inputs):
     Why: every rank of a data-parallel layout compiles the same block graphs. Where ranks
     share a host's CPUs (all CPU runs; a GPU host's ranks for inductor's own CPU work) the
     concurrent compiles multiply the CPU work by the ranks per host, and none of them can
-    use another's result. Measured on the 2-core machine (benchmarks/compile_cache), a cold
-    4-rank compiled HSDP run: 135 CPU-seconds concurrently, 92-107 in turns (eager: 26).
+    use another's result. Measured on a 2-core machine (benchmarks/compile_cache), a cold
+    4-rank compiled HSDP run: 109-112 CPU-seconds concurrently, 88 in turns.
     Graphs a rank keys to itself (TP/EP) never wait for another rank's."""
     from torch._functorch import config as functorch_config
     from torch._inductor.compile_fx import compile_fx

@@ -1,7 +1,8 @@
 """Parallelism units on 2 real gloo ranks (spawned processes, one spawn for all checks): ZeRO-1/2
 state and registration, FSDP2's units, the global gradient norm over mixed meshes, the step's
 loss over the global count of labelled tokens, attention sinks split over heads (TP) and over
-the sequence (CP, both methods)."""
+the sequence (CP, both methods). Compile turns have a spawn of their own, so that their two
+planted bugs run only that check."""
 
 from __future__ import annotations
 
