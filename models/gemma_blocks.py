@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from models.blocks import FeedForward
+from models.decoder_shape import DecoderShape
 from models.numerics import at_least_float32
 
 # the MLP's activation as config.json names it: gelu with the tanh approximation
@@ -30,6 +32,17 @@ HF_NORMS_AND_MLP = {
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
 }
+
+
+@dataclass
+class GemmaShape(DecoderShape):
+    """The shared decoder shape with the two fields both Gemma generations default alike (the
+    published 2B, 9B, 1B, 4B and 12B models): head dimension 256, and the softmax scale
+    query_pre_attn_scalar ** -0.5 with query_pre_attn_scalar 256. Sizes (dim, layers, heads)
+    are each family's `flavors`, not class defaults."""
+
+    head_dim: int = 256
+    query_pre_attn_scalar: float = 256
 
 
 class ZeroCentredRMSNorm(nn.Module):

@@ -28,26 +28,21 @@ from torch import nn
 from models import gemma_blocks
 from models.attention import AttentionSpec
 from models.blocks import Decoder, GroupedQueryAttention
-from models.decoder_shape import DecoderShape, rope_table
-from models.gemma_blocks import FourNormBlock, ScaledEmbedding, ZeroCentredRMSNorm
+from models.decoder_shape import rope_table
+from models.gemma_blocks import FourNormBlock, GemmaShape, ScaledEmbedding, ZeroCentredRMSNorm
 from models.rope import apply_rotate_half
 
 
 @dataclass
-class Gemma2Args(DecoderShape):
-    """The shared decoder shape's fields (and shape checks), with Gemma 2's defaults, plus its
-    own: the GeGLU width, the softmax scale, the soft-caps and the sliding window."""
+class Gemma2Args(GemmaShape):
+    """The shared Gemma shape's fields (and shape checks) with Gemma 2's published vocabulary,
+    RoPE base and context, plus its own: the GeGLU width, the soft-caps and the sliding window.
+    Sizes come from `flavors` (the 2B, 9B, 27B and the debug model)."""
 
-    dim: int = 2304
-    n_layers: int = 26
-    n_heads: int = 8
-    n_kv_heads: int = 4
-    head_dim: int = 256
     vocab_size: int = 256000
     rope_theta: float = 10000.0
     max_seq_len: int = 8192
-    ffn_dim: int = 9216  # the GeGLU hidden size
-    query_pre_attn_scalar: float = 256  # softmax scale = query_pre_attn_scalar ** -0.5
+    ffn_dim: int = 9216  # the GeGLU hidden size (the 2B's)
     attn_softcap: float | None = 50.0  # None: no soft-capping
     final_softcap: float | None = 30.0
     sliding_window: int | None = 4096  # on the even-indexed layers; None: every layer global

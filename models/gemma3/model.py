@@ -28,30 +28,24 @@ import torch
 from models import gemma_blocks
 from models.attention import AttentionSpec
 from models.blocks import Decoder, GroupedQueryAttention
-from models.decoder_shape import DecoderShape
-from models.gemma_blocks import FourNormBlock, ScaledEmbedding, ZeroCentredRMSNorm
+from models.gemma_blocks import FourNormBlock, GemmaShape, ScaledEmbedding, ZeroCentredRMSNorm
 from models.rope import apply_rotate_half, inverse_frequencies
 
 LOCAL, GLOBAL = 0, 1  # the rows of the stacked RoPE table
 
 
 @dataclass
-class Gemma3Args(DecoderShape):
-    """The shared decoder shape's fields and checks (`dim` ... `max_seq_len`; `rope_theta` is the
-    global layers' base) with the published 12B's defaults, and Gemma's own fields."""
+class Gemma3Args(GemmaShape):
+    """The shared Gemma shape's fields and checks (`rope_theta` is the global layers' base) with
+    Gemma 3's published vocabulary and the 4B/12B/27B's RoPE and window, plus its own fields.
+    Sizes come from `flavors` (the 1B, 4B, 12B, 27B and the debug model)."""
 
-    dim: int = 3840
-    n_layers: int = 48
-    n_heads: int = 16
-    n_kv_heads: int = 8
-    head_dim: int = 256
     vocab_size: int = 262208
-    ffn_dim: int = 15360  # the GeGLU hidden size
+    ffn_dim: int = 15360  # the GeGLU hidden size (the 12B's)
     rope_local_theta: float = 10_000.0  # local (sliding-window) layers
     rope_scaling_factor: float = 8.0  # linear scaling of the global layers' positions
     sliding_window: int = 1024
     sliding_window_pattern: int = 6  # layer i is global when (i + 1) % pattern == 0
-    query_pre_attn_scalar: int = 256  # softmax scale = query_pre_attn_scalar ** -0.5
 
     def shape_problems(self) -> list[str]:
         problems = super().shape_problems()
