@@ -19,16 +19,16 @@ the real config parser) and starts with those rows' pairs covered, so the design
 for the pairs no parity row holds. The design file records those rows by name (`drawn`), and
 a unit test checks that the parity tables still hold them.
 
-    python tests/matrix.py --seed 7                  # print a design and its refused pairs
-    python tests/matrix.py --write tests/matrix_design.json   # redraw CI's design (seed 31)
-    python tests/matrix.py --seed 7 --no-drawn       # a design that counts no parity row
+    ./run_tests.sh --design --seed 7             # print a design and its refused pairs
+    ./run_tests.sh --design --write tests/matrix_design.json  # redraw CI's design (seed 31)
+    ./run_tests.sh --design --seed 7 --no-drawn  # a design that counts no parity row
     ./run_tests.sh --matrix 7                        # draw the seed-7 design and run it
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
+import importlib.util
 import itertools
 import json
 import random
@@ -300,6 +300,18 @@ def _tables(module) -> dict[str, dict]:
     }
 
 
+def _parity_module(name: str):
+    """tests/integration/NAME.py, loaded from its file once (the module pytest imported, when
+    pytest did): its own imports (`parity`, `dist_utils`) come from tests/, which is on the path
+    both under pytest (pyproject's `pythonpath`) and when this file runs as a script."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, TESTS / "integration" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
 def drawn_rows() -> list[tuple[str, Row]]:
     """("module::id", row) of every layout of the parity modules that is a row (`row_of`), in
     the modules' order: each module's layouts on top of its `COMMON` arguments; its resumed
@@ -307,12 +319,9 @@ def drawn_rows() -> list[tuple[str, Row]]:
     exact resume); its warm-cache reruns (`RERUN_OF`: "warm_rerun"). Left out: the rows a
     module names `*_REFERENCE`, which its tests compare with nothing one-process (the bf16
     family's reference, say), and the one-process references (nothing checks them)."""
-    integration = str(TESTS / "integration")
-    if integration not in sys.path:
-        sys.path.append(integration)
     out = []
     for name in PARITY_MODULES:
-        module = importlib.import_module(name)
+        module = _parity_module(name)
         common = [str(a) for a in module.COMMON]
         references = {v for k, v in vars(module).items() if k.endswith("_REFERENCE")
                       and isinstance(v, str)}  # fmt: skip
@@ -568,6 +577,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     main()

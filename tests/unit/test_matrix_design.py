@@ -18,7 +18,7 @@ from matrix import (
 )
 
 DESIGN = load(DESIGN_FILE)
-REDRAW = "redraw: python tests/matrix.py --write tests/matrix_design.json"
+REDRAW = "redraw: ./run_tests.sh --design --write tests/matrix_design.json"
 
 
 def test_design_and_parity_rows_cover_every_pair():
