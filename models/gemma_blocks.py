@@ -21,6 +21,9 @@ from models.numerics import at_least_float32
 
 # the MLP's activation as config.json names it: gelu with the tanh approximation
 GELU_TANH = "gelu_pytorch_tanh"
+# Arguments both generations read that change the function but no parameter's shape, checked
+# against a checkpoint's on resume (`ModelSpec.function_args`); each family adds its own.
+GEMMA_FUNCTION_ARGS = ("rope_theta", "norm_eps", "query_pre_attn_scalar", "sliding_window")
 # Inside block i, the norms after attention and around the MLP, and the MLP:
 # layers.{i}.<ours> <-> model.layers.{i}.<HF>. Mind HF's `post_attention_layernorm`: the norm
 # after attention here (ours `post_attention_norm`), the pre-MLP norm in Llama and Qwen3.

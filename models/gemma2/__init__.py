@@ -12,6 +12,7 @@ from models.contract import HFAdapter, ModelSpec, register
 from models.gemma2 import hf
 from models.gemma2.model import Gemma2, Gemma2Args
 from models.gemma2.plan import gemma2_block_activation_bytes, gemma2_tp_plan
+from models.gemma_blocks import GEMMA_FUNCTION_ARGS
 
 # fmt: off
 flavors = {
@@ -31,8 +32,7 @@ flavors = {
 SPEC = register(ModelSpec(
     "gemma2", Gemma2, flavors, tp_plan=gemma2_tp_plan, hf=HFAdapter.of("gemma2", hf),
     block_activation_bytes=gemma2_block_activation_bytes,
-    function_args=("rope_theta", "norm_eps", "query_pre_attn_scalar", "attn_softcap",
-                   "final_softcap", "sliding_window"),
+    function_args=(*GEMMA_FUNCTION_ARGS, "attn_softcap", "final_softcap"),
 ))
 # fmt: on
 

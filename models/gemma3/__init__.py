@@ -12,6 +12,7 @@ from models.contract import HFAdapter, ModelSpec, register
 from models.gemma3 import hf
 from models.gemma3.model import Gemma3, Gemma3Args
 from models.gemma3.plan import gemma3_block_activation_bytes, gemma3_tp_plan
+from models.gemma_blocks import GEMMA_FUNCTION_ARGS
 
 # fmt: off
 flavors = {
@@ -32,8 +33,9 @@ flavors = {
 SPEC = register(ModelSpec(
     "gemma3", Gemma3, flavors, tp_plan=gemma3_tp_plan, hf=HFAdapter.of("gemma3_text", hf),
     block_activation_bytes=gemma3_block_activation_bytes,
-    function_args=("norm_eps", "rope_theta", "rope_local_theta", "rope_scaling_factor",
-                   "sliding_window", "sliding_window_pattern", "query_pre_attn_scalar"),
+    function_args=(
+        *GEMMA_FUNCTION_ARGS, "rope_local_theta", "rope_scaling_factor", "sliding_window_pattern"
+    ),
 ))
 # fmt: on
 
