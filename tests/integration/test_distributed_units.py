@@ -17,19 +17,33 @@ from training.loss import cross_entropy_sum
 def _two_rank_checks(rank: int, world: int) -> None:
     """ZeRO-1/2 state and registration, FSDP2's units, and a mixed-mesh gradient norm, on 2
     ranks."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-
-    from metrics.memory_report import memory_report
-    from parallelisms.zero import apply_zero
-    from training.step import clip_grad_norm_
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     args = ModelArgs(
         dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=63, multiple_of=16, max_seq_len=16
     )  # an odd vocabulary: uneven shards
     ref = tiny_model(args)
+    _zero_shards_and_masters(rank, world, mesh, args, ref)
+    _zero_mixed_precision_gradients(rank, world, mesh, args)
+    _fsdp_units(mesh, args, ref)
+    _step_loss_over_the_global_token_count(rank, world, mesh, args)
+    _sinks_split_over_heads(mesh)
+    _sinks_split_over_the_sequence(rank, world, mesh)
+    _grad_norm_over_a_mix(mesh)
+
+
+def _zero_shards_and_masters(rank, world, mesh, args, ref) -> None:
+    """ZeRO-1 and 2: the state dict holds even Shard(0) DTensors equal to one process's
+    weights; outside forward/backward the module holds its master shards; after a step every
+    rank's full parameters agree."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.tensor import DTensor, Shard
+
+    from metrics.memory_report import memory_report
+    from parallelisms.zero import apply_zero
+    from training.step import clip_grad_norm_
+
     ref_sd = ref.state_dict()
     for stage in (1, 2):
         model = tiny_model(args, lambda m, s=stage: apply_zero(m, mesh, s))
@@ -59,6 +73,12 @@ def _two_rank_checks(rank: int, world: int) -> None:
             others = [torch.empty_like(full) for _ in range(world)]
             torch.distributed.all_gather(others, full)
             assert all(torch.equal(o, full) for o in others)
+
+
+def _zero_mixed_precision_gradients(rank, world, mesh, args) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from parallelisms.zero import apply_zero
 
     # Mixed precision (bf16 compute, fp32 reduction): every stage's fp32 master gradient is
     # the average of the ranks' bf16 gradients, and each bf16 gradient is freed as soon as its
@@ -94,6 +114,10 @@ def _two_rank_checks(rank: int, world: int) -> None:
             assert p.dtype == torch.float32 and p.grad.dtype == torch.float32, name
             got = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
             torch.testing.assert_close(got, want[name], rtol=0, atol=0, msg=f"{stage} {name}")
+
+
+def _fsdp_units(mesh, args, ref) -> None:
+    from torch.distributed.tensor import DTensor
 
     # FSDP2 units: the embeddings are gathered only around their own forward (their backward
     # needs no weights), the final norm + output stay gathered from their forward into their
@@ -137,9 +161,11 @@ def _two_rank_checks(rank: int, world: int) -> None:
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
 
-    _step_loss_over_the_global_token_count(rank, world, mesh, args)
-    _sinks_split_over_heads(mesh)
-    _sinks_split_over_the_sequence(rank, world, mesh)
+
+def _grad_norm_over_a_mix(mesh) -> None:
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from training.step import clip_grad_norm_
 
     # Gradient norm over a mix: plain tensors, DTensor shards, and replicated DTensors.
     g = torch.Generator().manual_seed(0)
