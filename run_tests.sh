@@ -14,9 +14,9 @@ if [ "${1:-}" = "--mutants" ]; then
   shift
   exec python tests/mutation/run.py "$@"
 fi
-# the matrix's generator imports the parity modules, which read tests/ and scripts/ as pytest
-# gives them (pyproject's pythonpath)
-MATRIX_PATH="$ROOT:$ROOT/tests${PYTHONPATH:+:$PYTHONPATH}"
+# the matrix's generator imports the parity modules, which import `scripts.*` from the root
+# (tests/, the script's own folder, is on the path already)
+MATRIX_PATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 if [ "${1:-}" = "--design" ]; then
   shift
   PYTHONPATH="$MATRIX_PATH" exec python tests/matrix.py "$@"

@@ -22,7 +22,7 @@ a unit test checks that the parity tables still hold them.
     ./run_tests.sh --design --seed 7             # print a design and its refused pairs
     ./run_tests.sh --design --write tests/matrix_design.json  # redraw CI's design (seed 31)
     ./run_tests.sh --design --seed 7 --no-drawn  # a design that counts no parity row
-    ./run_tests.sh --matrix 7                        # draw the seed-7 design and run it
+    ./run_tests.sh --matrix 7                    # draw the seed-7 design and run it
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import pytest
 from option_probes import write_option_files
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def option_files(tmp_path_factory) -> dict[str, str]:
     """The tokenizers, corpora and importable module every option probe reads."""
     return write_option_files(tmp_path_factory.mktemp("option_files"))

@@ -10,7 +10,6 @@ parity runs, sharing the bug, agree with each other.
 `LOGGING_ONLY`: options that change only what is logged or written, each with the reason.
 `test_every_option_is_accounted_for` fails when a schema option is in none of the three (a new
 option needs its proof) or when an entry names no option of the schema.
-
 """
 
 from __future__ import annotations
@@ -410,12 +409,11 @@ def _case(files, root: Path, name: str, argv: list[str]) -> Case:
 
 @pytest.mark.parametrize("option", sorted(EFFECTS))
 def test_option_takes_effect(option, option_files, tmp_path):
-    files = option_files
     effect = EFFECTS[option]
-    argv = lambda dump: base_argv(files, dump) + list(effect.base)  # noqa: E731
-    base = _case(files, tmp_path, "base", argv(tmp_path / "base"))
+    argv = lambda dump: base_argv(option_files, dump) + list(effect.base)  # noqa: E731
+    base = _case(option_files, tmp_path, "base", argv(tmp_path / "base"))
     changed = _case(
-        files,
+        option_files,
         tmp_path,
         "changed",
         argv(tmp_path / "changed") + [f"--{option}", effect.value, *effect.extra],
