@@ -126,6 +126,15 @@ def _group(x: Tensor, kv_heads: int, dim: int) -> Tensor:
     return x.reshape(kv_heads, -1, dim)
 
 
+def _output_like(q: Tensor, dim: int, dtype: torch.dtype) -> Tensor:
+    """An uninitialised [batch, heads, queries, dim] tensor (the values' head size, which may
+    differ from the queries': MLA) in q's memory order: the layers' q is a transposed [batch,
+    seq, heads, dim] tensor, and an output in that order reaches the output projection without
+    a copy."""
+    order = sorted(range(q.dim()), key=lambda d: (-q.stride(d), d))
+    return torch.empty_permuted((*q.shape[:3], dim), order, dtype=dtype, device=q.device)
+
+
 @torch.library.custom_op("meshtrain::block_attention", mutates_args=())
 def _forward(
     q: Tensor, k: Tensor, v: Tensor, num: Tensor, idx: Tensor, full_num: Tensor,
@@ -133,9 +142,7 @@ def _forward(
     k_doc: Tensor | None, causal: bool, window: int, softcap: float, scale: float, size: int,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     work = _work_dtype(q.dtype)
-    # in q's memory order: the layers' q is a transposed [batch, seq, heads, dim] tensor, and
-    # an output in that order reaches the output projection without a copy
-    out = torch.zeros_like(q, dtype=work)
+    out = _output_like(q, v.shape[-1], work).zero_()
     lse = torch.zeros(q.shape[:3], dtype=work, device=q.device)
     cap = softcap or None
     for b, rows, keys, hidden, group, kv_heads, dim in _blocks(
@@ -147,7 +154,7 @@ def _forward(
         s = s.unflatten(1, (group, -1)).masked_fill(hidden, float("-inf")).flatten(1, 2)
         m = torch.logsumexp(s, dim=-1, keepdim=True)
         o = torch.matmul(torch.exp(s - m), v[b, :, keys].to(work))
-        out[b, :, rows] = o.reshape(-1, rows.stop - rows.start, dim)
+        out[b, :, rows] = o.reshape(-1, rows.stop - rows.start, v.shape[-1])
         lse[b, :, rows] = m.reshape(-1, rows.stop - rows.start)
     return out.to(q.dtype), lse
 
@@ -156,7 +163,8 @@ def _forward(
 def _(q, k, v, num, idx, full_num, full_idx, q_pos, k_pos, q_doc, k_doc, causal, window,
       softcap, scale, size):  # fmt: skip
     # the kernel's memory order (compiled code asserts the real output has the fake's strides)
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=_work_dtype(q.dtype))
+    out = _output_like(q, v.shape[-1], q.dtype)
+    return out, q.new_empty(q.shape[:3], dtype=_work_dtype(q.dtype))
 
 
 @torch.library.custom_op("meshtrain::block_attention_backward", mutates_args=())
@@ -177,8 +185,8 @@ def _backward(
         n = rows.stop - rows.start
         qb = _group(q[b, :, rows].to(work), kv_heads, dim)
         kb, vb = k[b, :, keys].to(work), v[b, :, keys].to(work)
-        gb = _group(grad[b, :, rows].to(work), kv_heads, dim)
-        ob = _group(out[b, :, rows].to(work), kv_heads, dim)
+        gb = _group(grad[b, :, rows].to(work), kv_heads, v.shape[-1])
+        ob = _group(out[b, :, rows].to(work), kv_heads, v.shape[-1])
         s, t = _scores(qb, kb, scale, cap)
         s = s.unflatten(1, (group, -1)).masked_fill(hidden, float("-inf")).flatten(1, 2)
         p = torch.exp(s - lse[b, :, rows].reshape(kv_heads, group * n, 1))
@@ -227,8 +235,9 @@ def block_attention(
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """softmax(softcap(scale q k^T) masked) v over the visible blocks of `mask` (a BlockMask
     built by models.attention.block_mask), and the log-sum-exp of each query's visible scores
-    ([batch, heads, queries], at least float32): q [batch, heads, queries, dim], k and v
-    [batch, kv_heads, keys, dim]; positions and documents [batch, tokens]."""
+    ([batch, heads, queries], at least float32): q [batch, heads, queries, dim], k [batch,
+    kv_heads, keys, dim], v [batch, kv_heads, keys, value dim] (any size: MLA's values are
+    smaller than its keys); positions and documents [batch, tokens]."""
     size = mask.BLOCK_SIZE[0]
     return _forward(
         q, k, v, mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks,

@@ -100,9 +100,10 @@ class ContextParallelAttention(_ContextParallelCore):
     sinks and the log-sum-exp are then over the whole sequence's keys."""
 
     def split(self, q, k, v, batch, sinks):
-        # K and V in one all-gather: one collective per layer, and one saved output under
-        # per-op AC (two same-shaped gathers were replayed swapped in a compiled recompute)
-        k, v = self._gather(torch.stack([k, v])).unbind(0)
+        # K and V in one all-gather (side by side: V's head size may differ, MLA): one
+        # collective per layer, and one saved output under per-op AC (two same-shaped gathers
+        # were replayed swapped in a compiled recompute)
+        k, v = self._gather(torch.cat([k, v], dim=-1)).split([k.shape[-1], v.shape[-1]], -1)
         spec = self.spec
         plain = spec.fused_causal and (batch is None or not batch.documents_apply(spec))
         # Compiled blocks and dispatch modes (memory tracker, FLOP counter) cannot build torch's
@@ -113,11 +114,11 @@ class ContextParallelAttention(_ContextParallelCore):
         return attend(spec, q, k, v, batch, sinks)
 
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
-        """[2, batch, heads, seq/cp, head_dim] -> [2, batch, heads, seq, head_dim], the ranks'
-        shards in rank order; the backward reduce-scatters the gradient. Gathered along dim 0
-        (the one dimension every torch version's functional all-gather supports)."""
-        gathered = _all_gather_autograd(x.transpose(0, 3).contiguous(), 0, self.group_name)
-        return gathered.transpose(0, 3)
+        """[batch, heads, seq/cp, dim] -> [batch, heads, seq, dim], the ranks' shards in rank
+        order; the backward reduce-scatters the gradient. Gathered along dim 0 (the one
+        dimension every torch version's functional all-gather supports)."""
+        gathered = _all_gather_autograd(x.transpose(0, 2).contiguous(), 0, self.group_name)
+        return gathered.transpose(0, 2)
 
 
 class UlyssesAttention(_ContextParallelCore):
@@ -140,7 +141,8 @@ class UlyssesAttention(_ContextParallelCore):
         q = self._to_heads(q)
         if k.shape[1] % self.cp:  # fewer KV heads than ranks: each head group gets its own copy
             k, v = (t.repeat_interleave(self.cp // k.shape[1], dim=1) for t in (k, v))
-        k, v = self._to_heads(torch.stack([k, v])).unbind(0)  # one all-to-all for both
+        kv = self._to_heads(torch.cat([k, v], dim=-1))  # one all-to-all for both
+        k, v = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
         # the whole sequence as queries too: the mask over the gathered positions and documents
         docs = batch.key_documents
         whole = AttentionBatch(batch.key_positions, batch.key_positions, docs, docs, True)

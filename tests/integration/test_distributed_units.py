@@ -259,15 +259,17 @@ def _sinks_split_over_the_sequence(rank, world, mesh) -> None:
     """Attention sinks and the returned log-sum-exp under CP 2 by both methods (a window and
     documents crossing the ranks' chunks): the CP core keeps the core's sink parameter, and
     each rank's rows of the output and log-sum-exp, its queries' and keys' gradients and the
-    sum of the ranks' sink gradients equal one process's (float64)."""
+    sum of the ranks' sink gradients equal one process's (float64). Also with values of a head
+    size of their own (MLA's)."""
     from parallelisms.context_parallel import CP_CORES
 
     for method in CP_CORES:
-        for kv_heads in (2, 1):  # Ulysses with 1 KV head: each rank's head group gets a copy
-            _sinks_split_over_the_sequence_by(method, kv_heads, rank, world, mesh)
+        # Ulysses with 1 KV head: each rank's head group gets a copy
+        for kv_heads, v_dim in ((2, 8), (1, 8), (2, 6)):
+            _sinks_split_over_the_sequence_by(method, kv_heads, v_dim, rank, world, mesh)
 
 
-def _sinks_split_over_the_sequence_by(method, kv_heads, rank, world, mesh) -> None:
+def _sinks_split_over_the_sequence_by(method, kv_heads, v_dim, rank, world, mesh) -> None:
     import copy
 
     from models.attention import AttentionCore, AttentionSpec, attention_batch
@@ -287,10 +289,10 @@ def _sinks_split_over_the_sequence_by(method, kv_heads, rank, world, mesh) -> No
     assert type(holder.core) is CP_CORES[method] and holder.core.sinks is sinks
     b, seq = 2, 256
     g = torch.Generator().manual_seed(6)
-    q, k, v = (torch.randn(b, h, seq, 8, generator=g, dtype=torch.float64, requires_grad=True)
-               for h in (4, kv_heads, kv_heads))  # fmt: skip
+    q, k, v = (torch.randn(b, h, seq, d, generator=g, dtype=torch.float64, requires_grad=True)
+               for h, d in ((4, 8), (kv_heads, 8), (kv_heads, v_dim)))  # fmt: skip
     docs = torch.cumsum(torch.rand(b, seq, generator=g) < 1 / 70, -1, dtype=torch.int32)
-    grads = [torch.randn(b, 4, seq, *d, generator=g, dtype=torch.float64) for d in ((8,), ())]
+    grads = [torch.randn(b, 4, seq, *d, generator=g, dtype=torch.float64) for d in ((v_dim,), ())]
     want = ref(q, k, v, attention_batch([spec], b, seq, q.device, documents=docs))
     torch.autograd.backward(want, grads)
     mine, keys = local_positions(seq, rank, world), gathered_positions(seq, world)

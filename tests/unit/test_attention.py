@@ -58,12 +58,12 @@ def dense(spec, q, k, v, q_pos, k_pos, q_doc=None, k_doc=None, sinks=None):
     return p @ v, torch.logsumexp(s, -1)
 
 
-def _qkv(batch, heads, kv_heads, q_len, k_len, dim=16, dtype=torch.float64):
+def _qkv(batch, heads, kv_heads, q_len, k_len, dim=16, dtype=torch.float64, v_dim=None):
     g = torch.Generator().manual_seed(0)
     shapes = [
         (batch, heads, q_len, dim),
         (batch, kv_heads, k_len, dim),
-        (batch, kv_heads, k_len, dim),
+        (batch, kv_heads, k_len, v_dim or dim),
     ]
     return [torch.randn(s, generator=g, dtype=dtype, requires_grad=True) for s in shapes]
 
@@ -85,6 +85,28 @@ def test_every_spec_equals_the_dense_definition_with_its_gradients(spec, documen
     pos = torch.arange(seq).expand(batch, -1)
     want = dense(spec, q, k, v, pos, pos, *((docs, docs) if documents and spec.document_mask
                                             else (None, None)))  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    grad = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), grad),
+                    torch.autograd.grad(want, (q, k, v), grad)):  # fmt: skip
+        torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11)
+
+
+@pytest.mark.parametrize("documents", [False, True])
+@pytest.mark.parametrize(
+    "spec", [AttentionSpec(), AttentionSpec(window=70, softcap=2.5)], ids=_name
+)
+def test_values_of_a_head_size_of_their_own_equal_the_definition(spec, documents):
+    """MLA's values are smaller than its queries and keys (128 against 192 in DeepSeek-V3):
+    every backend takes them, SDPA (plain causal) and the block kernel, forward and backward."""
+    batch, seq = 2, 256
+    q, k, v = _qkv(batch, 4, 2, seq, seq, dim=24, v_dim=10)
+    docs = _documents(batch, seq) if documents else None
+    ab = attention_batch([spec], batch, seq, q.device, documents=docs)
+    got = attend(spec, q, k, v, ab)
+    assert got.shape == (batch, 4, seq, 10)
+    pos = torch.arange(seq).expand(batch, -1)
+    want = dense(spec, q, k, v, pos, pos, *((docs, docs) if documents else (None, None)))
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     grad = torch.randn_like(got)
     for a, b in zip(torch.autograd.grad(got, (q, k, v), grad),
@@ -245,7 +267,8 @@ def test_a_compiled_block_keeps_the_kernel_one_node():
     torch.autograd.grad(got.sum(), (q, k, v))
 
 
-def test_the_kernels_fake_outputs_have_the_real_ones_strides():
+@pytest.mark.parametrize("v_dim", [16, 12])
+def test_the_kernels_fake_outputs_have_the_real_ones_strides(v_dim):
     """What compile sees of the custom ops (their fake kernels) is what they return, also for a
     transposed q (as attention layers pass it, [batch, seq, heads, dim] transposed): results in
     the inputs' memory order (the output projection then reads the output without a copy). A
@@ -254,7 +277,7 @@ def test_the_kernels_fake_outputs_have_the_real_ones_strides():
     spec = AttentionSpec(window=40, softcap=3.0)
     batch, seq = 1, 256
     q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2) for t in
-               _qkv(batch, 4, 2, seq, seq, dtype=torch.float32))  # fmt: skip
+               _qkv(batch, 4, 2, seq, seq, dtype=torch.float32, v_dim=v_dim))  # fmt: skip
     ab = attention_batch([spec], batch, seq, q.device, documents=_documents(batch, seq))
     mask = ab.masks[spec.key]
     args = (q, k, v, mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks,
