@@ -4,7 +4,9 @@ grouped matmul, and the shape fields an MoE family's args add (`MoEShape`).
 
 `MoE` is a linear router (optionally with a bias, gpt-oss) over E experts, token-choice top-k on
 the softmax scores, the k weights renormalised to sum to one (`norm_topk_prob`; the softmax over
-the k largest logits, as gpt-oss computes it, is the same weights), and **dropless**: every
+the k largest logits, as gpt-oss computes it, is the same weights); or DeepSeek-V3's: sigmoid
+scores, the choice limited to each token's best expert groups, the weights scaled, and shared
+experts every token passes through (`MoEShape`'s fields). It is **dropless**: every
 token reaches its k experts, there is no capacity factor, so the result of a token never
 depends on which other tokens share its batch or its rank. The experts module is the family's:
 it takes the (token, choice) rows sorted by expert with their counts (`forward(x, counts,
@@ -13,7 +15,8 @@ weights=None)`), its weights stacked on a leading expert dimension.
 Load balancing, all optional:
 - the auxiliary loss (Switch Transformer): coeff x E x sum_i f_i P_i, f_i the share of the
   tokens that chose expert i (the f_i add up to k, as transformers counts it for Qwen3-MoE, so
-  Qwen3's coefficient means the same here), P_i the mean router probability of expert i. Both are
+  Qwen3's coefficient means the same here), P_i the mean router probability of expert i (with
+  sigmoid scores, each token's scores divided by their sum, as DeepSeek-V3's balance loss). Both are
   taken over the *global* micro-batch (every data-parallel rank's tokens of one micro-step),
   through `MoE.reduce_stats`, which a parallelism sets to a sum over the data-parallel ranks
   (identity on one process). Each rank back-propagates its own tokens' share of it, so the
@@ -40,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.blocks import FeedForward
 from models.numerics import at_least_float32
 
 
@@ -56,11 +60,29 @@ class MoEShape:
     moe_bias_update_rate: float = 0.0  # aux-loss-free balancing step (DeepSeek-V3: 1e-3); 0 = off
     moe_z_loss_coeff: float = 0.0  # router z-loss (ST-MoE: 1e-3); 0 = off
     moe_grouped_mm: bool = True  # False: the per-expert loop (the reference)
+    # DeepSeek-V3's routing: sigmoid scores (each expert's own, not a softmax over experts),
+    # the choice limited to the `moe_topk_groups` of `moe_n_groups` expert groups whose two
+    # best (biased) scores add up highest, the k weights times `moe_route_scale`; and
+    # `n_shared_experts` experts that every token passes through (one SwiGLU of
+    # n_shared_experts x moe_ffn_dim hidden units, its output added unweighted)
+    moe_score_func: str = "softmax"  # "softmax" | "sigmoid"
+    moe_n_groups: int = 1
+    moe_topk_groups: int = 1
+    moe_route_scale: float = 1.0
+    n_shared_experts: int = 0
 
     def shape_problems(self) -> list[str]:
         problems = super().shape_problems()
         if not 1 <= self.top_k <= self.n_experts:
             problems.append(f"top_k = {self.top_k} must be in 1..n_experts = {self.n_experts}")
+        if self.moe_score_func not in ("softmax", "sigmoid"):
+            problems.append(f"moe_score_func = '{self.moe_score_func}': softmax or sigmoid")
+        groups, kept = self.moe_n_groups, self.moe_topk_groups
+        if groups < 1 or self.n_experts % groups or not 1 <= kept <= groups:
+            problems.append(f"moe_n_groups = {groups} must divide n_experts = {self.n_experts} "
+                            f"and moe_topk_groups = {kept} be in 1..moe_n_groups")  # fmt: skip
+        elif groups > 1 and kept * (self.n_experts // groups) < self.top_k:
+            problems.append(f"the {kept} kept groups hold fewer than top_k = {self.top_k} experts")
         return problems
 
     @property
@@ -161,12 +183,17 @@ class MoE(nn.Module):
         self.norm_topk_prob = args.norm_topk_prob
         self.aux_coeff, self.z_coeff = args.moe_aux_loss_coeff, args.moe_z_loss_coeff
         self.bias_rate = args.moe_bias_update_rate
+        self.score_func, self.route_scale = args.moe_score_func, args.moe_route_scale
+        self.n_groups, self.topk_groups = args.moe_n_groups, args.moe_topk_groups
         self.router = nn.Linear(args.dim, args.n_experts, bias=router_bias)
         if experts is None:
             experts = GroupedExperts(
                 args.n_experts, args.dim, args.moe_ffn_dim, args.moe_grouped_mm
             )
         self.experts = experts
+        if args.n_shared_experts:
+            hidden = args.n_shared_experts * args.moe_ffn_dim
+            self.shared_experts = FeedForward(args.dim, hidden)
         # Aux-loss-free balancing bias (a checkpointed buffer, not a parameter: no gradient).
         self.register_buffer("expert_bias", torch.zeros(args.n_experts), persistent=True)
         # Since the last optimizer step: global tokens per expert and the aux loss's value.
@@ -187,12 +214,23 @@ class MoE(nn.Module):
         """(router logits fp32 (fp64 in a float64 model) [T, E], scores [T, E], chosen experts
         [T, k], weights [T, k])."""
         logits = at_least_float32(self.router(x))
-        scores = logits.softmax(dim=-1)
-        chosen = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices
+        scores = logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
+        chosen = torch.topk(self.limited_to_groups(scores + self.expert_bias), self.top_k).indices
         weights = scores.gather(-1, chosen)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return logits, scores, chosen, weights
+        return logits, scores, chosen, weights * self.route_scale
+
+    def limited_to_groups(self, biased: torch.Tensor) -> torch.Tensor:
+        """The biased scores [T, E] with the experts outside each token's `topk_groups` best
+        groups (a group's worth: the sum of its two best scores) set to -inf."""
+        if self.n_groups == 1:
+            return biased
+        grouped = biased.unflatten(-1, (self.n_groups, -1))  # [T, groups, E / groups]
+        worth = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+        kept = worth.topk(self.topk_groups, dim=-1).indices
+        hidden = torch.ones_like(worth, dtype=torch.bool).scatter(-1, kept, False)
+        return grouped.masked_fill(hidden[..., None], float("-inf")).flatten(-2)
 
     def global_stats(self, chosen: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """[2, E] float64: tokens per expert and summed router probabilities over the global
@@ -221,6 +259,8 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         logits, scores, chosen, weights = self.route(x)
+        if self.score_func == "sigmoid":  # the balance statistics read a distribution
+            scores = scores / scores.sum(dim=-1, keepdim=True)
         if self.training:
             stats = self.global_stats(chosen, scores)
             if self.counting and not _in_backward():
@@ -232,6 +272,8 @@ class MoE(nn.Module):
         y = self.experts(x[order // self.top_k], counts)
         y = y[torch.argsort(order)].view(-1, self.top_k, shape[-1])
         out = (y * weights.unsqueeze(-1).to(y.dtype)).sum(dim=1).view(shape)
+        if hasattr(self, "shared_experts"):
+            out = out + self.shared_experts(x).view(shape)
         if self.training and (self.aux_coeff > 0 or self.z_coeff > 0):
             out = AuxLossGrad.apply(out, self.aux_loss(logits, scores, stats))
         return out

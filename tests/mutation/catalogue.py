@@ -243,6 +243,22 @@ MUTANTS = [
         (f"{QWEN3_PARITY}[tied_fsdp2]",),
     ),
     Mutant(
+        "moe_groups_not_limited",
+        "DeepSeek routing: the choice is not limited to each token's best expert groups",
+        "models/moe.py",
+        "        if self.n_groups == 1:\n            return biased\n",
+        "        if True:\n            return biased\n",
+        (f"{MOE_UNIT}::test_deepseek_routing_and_shared_experts_equal_transformers",),
+    ),
+    Mutant(
+        "moe_route_scale_dropped",
+        "DeepSeek routing: the routed experts' weights are not multiplied by the route scale",
+        "models/moe.py",
+        "return logits, scores, chosen, weights * self.route_scale",
+        "return logits, scores, chosen, weights",
+        (f"{MOE_UNIT}::test_deepseek_routing_and_shared_experts_equal_transformers",),
+    ),
+    Mutant(
         "moe_topk_not_renormalised",
         "MoE: the top-k router weights are not renormalised to sum to one",
         "models/moe.py",

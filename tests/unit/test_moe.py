@@ -49,6 +49,62 @@ def test_moe_forward_equals_routing_each_token_by_hand():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def _deepseek_pair(n_groups: int, topk_groups: int, top_k: int = 3):
+    """Transformers' DeepSeek-V3 MoE layer (random weights and correction bias) and ours with
+    its weights, in float32 (transformers' router computes in float32 whatever the model's
+    dtype): 8 experts, `top_k` of them from the best `topk_groups` of `n_groups`
+    groups, sigmoid scores, renormalised weights times 2.5, two shared experts."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    config = DeepseekV3Config(hidden_size=32, moe_intermediate_size=16, n_routed_experts=8,
+                              num_experts_per_tok=top_k, n_group=n_groups, topk_group=topk_groups,
+                              n_shared_experts=2, routed_scaling_factor=2.5, norm_topk_prob=True)  # fmt: skip
+    torch.manual_seed(3)
+    theirs = DeepseekV3MoE(config)
+    for p in theirs.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    theirs.gate.e_score_correction_bias.normal_(std=0.1)
+    ours = MoE(dataclasses.replace(
+        ARGS, dim=32, moe_ffn_dim=16, n_experts=8, top_k=top_k, moe_score_func="sigmoid",
+        moe_n_groups=n_groups, moe_topk_groups=topk_groups, moe_route_scale=2.5,
+        n_shared_experts=2, moe_grouped_mm=False,
+    ))  # fmt: skip
+    gate_up, f = theirs.experts.gate_up_proj.detach(), 16
+    with torch.no_grad():
+        ours.router.weight.copy_(theirs.gate.weight)
+        ours.expert_bias.copy_(theirs.gate.e_score_correction_bias)
+        ours.experts.w1.copy_(gate_up[:, :f])
+        ours.experts.w3.copy_(gate_up[:, f:])
+        ours.experts.w2.copy_(theirs.experts.down_proj)
+        shared = theirs.shared_experts
+        ours.shared_experts.w1.weight.copy_(shared.gate_proj.weight)
+        ours.shared_experts.w3.weight.copy_(shared.up_proj.weight)
+        ours.shared_experts.w2.weight.copy_(shared.down_proj.weight)
+    return theirs, ours
+
+
+@pytest.mark.parametrize("n_groups,topk_groups", [(4, 2), (1, 1)])
+def test_deepseek_routing_and_shared_experts_equal_transformers(n_groups, topk_groups):
+    """Sigmoid scores, group-limited choice over the biased scores, renormalised and scaled
+    weights, shared experts: the layer's output and gradients equal transformers'
+    `DeepseekV3MoE` (float32: the two differ in the order of float32 sums), and every token's
+    experts lie in its best groups."""
+    theirs, ours = _deepseek_pair(n_groups, topk_groups)
+    x = torch.randn(2, 24, 32, requires_grad=True)
+    want, got = theirs(x), ours.eval()(x)
+    torch.testing.assert_close(got, want)
+    grad = torch.randn_like(want)
+    gx_theirs = torch.autograd.grad(want, (x, theirs.gate.weight), grad)
+    gx_ours = torch.autograd.grad(got, (x, ours.router.weight), grad)
+    for a, b in zip(gx_ours, gx_theirs):
+        torch.testing.assert_close(a, b)
+    _, _, chosen, weights = ours.route(x.detach().reshape(-1, 32))
+    torch.testing.assert_close(weights.sum(-1), torch.full((48,), 2.5))
+    groups = chosen // (8 // n_groups)
+    assert all(len(set(row.tolist())) <= topk_groups for row in groups)
+
+
 def test_grouped_compute_equals_the_per_expert_loop_forward_and_backward():
     """`torch._grouped_mm`, the padded batched matmul (used where the device lacks it) and the
     loop agree, in values and gradients, with an expert that receives no rows."""
