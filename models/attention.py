@@ -184,13 +184,24 @@ def attend(
     if batch is None or not batch.needs_mask(spec):
         if not spec.fused_causal:
             raise ValueError(f"{spec} needs the micro-batch's AttentionBatch (attention_batch)")
-        return F.scaled_dot_product_attention(
-            q, k, v, is_causal=spec.causal, scale=spec.scale, enable_gqa=True
-        )
+        return fused_causal(q, k, v, spec.scale)
     out, lse = _masked(spec, q, k, v, batch)
     if spec.sinks:
         out = with_sinks(out, lse, sinks)
     return (out, lse) if spec.returns_lse else out
+
+
+def fused_causal(q, k, v, scale: float | None = None, mask=None) -> torch.Tensor:
+    """SDPA's fused kernels (causal, or with `mask`). Values of another head size than the
+    queries' (MLA) are zero-padded to it and the output cut back: the fused kernels need one
+    head size, and SDPA's fallback would build the [queries, keys] scores."""
+    width = v.shape[-1]
+    if width != q.shape[-1]:
+        v = F.pad(v, (0, q.shape[-1] - width)) if width < q.shape[-1] else v
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+    )
+    return out[..., :width] if out.shape[-1] != width else out
 
 
 def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:

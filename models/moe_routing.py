@@ -19,11 +19,14 @@ from models.moe import MoE
 
 
 def moe_layers(model_parts: list[nn.Module]) -> dict[str, MoE]:
-    """This rank's MoE layers by block key ("3" for model.layers["3"])."""
+    """This rank's MoE layers by block key ("3" for model.layers["3"]); blocks without one
+    (DeepSeek-V3's first, dense blocks) are left out."""
     out = {}
     for part in model_parts:
         for key, block in part.layers.items():
-            out[key] = next(m for m in block.modules() if isinstance(m, MoE))
+            moe = next((m for m in block.modules() if isinstance(m, MoE)), None)
+            if moe is not None:
+                out[key] = moe
     return out
 
 

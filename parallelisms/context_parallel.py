@@ -42,7 +42,14 @@ from torch.nn.attention.bias import causal_lower_right
 from torch.nn.attention.flex_attention import flex_attention
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from models.attention import AttentionBatch, AttentionCore, AttentionSpec, attend, block_mask
+from models.attention import (
+    AttentionBatch,
+    AttentionCore,
+    AttentionSpec,
+    attend,
+    block_mask,
+    fused_causal,
+)
 
 # torch 2.13 renamed the autograd all-gather (the old name warns); 2.11 has the old one only
 _all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or (
@@ -193,9 +200,7 @@ def causal_chunks(
     for q_chunk, index in zip(q.split(chunk, dim=2), (cp_rank, 2 * cp - 1 - cp_rank)):
         end = (index + 1) * chunk
         mask = _lower_right_causal(chunk, end, q.device)
-        outs.append(F.scaled_dot_product_attention(
-            q_chunk, k[:, :, :end], v[:, :, :end], mask, scale=scale, enable_gqa=True
-        ))  # fmt: skip
+        outs.append(fused_causal(q_chunk, k[:, :, :end], v[:, :, :end], scale, mask))
     return torch.cat(outs, dim=2)
 
 

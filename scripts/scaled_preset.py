@@ -45,6 +45,7 @@ def tiny_flavor(family: str, flavor: str) -> str:
 def scaled_preset(name: str, device: str = "cpu") -> tuple[int, list[str]]:
     """(ranks, train.py arguments) of preset `name` scaled down (see the module doc)."""
     from job_config import parse_args
+    from models import get_model_spec
     from parallelisms.pipeline import is_single_stage, schedule_class
 
     cfg = parse_args(["--config", name], check=False)
@@ -55,10 +56,13 @@ def scaled_preset(name: str, device: str = "cpu") -> tuple[int, list[str]]:
     stages = 1 if pp == 1 or is_single_stage(schedule_class(p.pipeline_parallel_schedule)) else 2
     layers = max(2, pp * stages)
     nproc = pp * rep * shard * cp * tp
+    tiny = tiny_flavor(cfg.model.name, cfg.model.flavor)
+    shape = get_model_spec(cfg.model.name).flavors[tiny]
+    kv_heads = "4" if shape.n_kv_heads == shape.n_heads else "2"  # a family without GQA keeps none
     args = [
         "--config", name,
-        "--model.flavor", tiny_flavor(cfg.model.name, cfg.model.flavor),
-        "--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+        "--model.flavor", tiny,
+        "--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", kv_heads,
         "--model.n_layers", str(layers), "--model.tokenizer_path", "",
         "--training.dataset", "sample", "--training.dataset_path", "",
         "--training.stream_shards", "1",  # the offline sample corpus is no stream

@@ -68,6 +68,9 @@ REFERENCES = {
         *Z_BIAS,
         "--training.document_mask=true",
     ),
+    # latent attention (values of their own head size), a dense then an MoE block, sigmoid
+    # group-limited routing with shared experts and the balancing bias
+    "deepseek": ("--model.name=deepseek_v3", "--model.n_kv_heads=4", "--optimizer.lr=1e-3"),
 }
 LLAMA, QWEN3 = REFERENCES["llama"], REFERENCES["qwen3"]
 GEMMA2, GEMMA3 = REFERENCES["gemma2"], REFERENCES["gemma3"]
@@ -134,6 +137,10 @@ LAYOUTS = table(
     Layout("qwen3_pp2_zbv", 2, (*REFERENCES["qwen3_4_layers"], "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=ZBVZeroBubble", "--parallelism.pipeline_parallel_microbatch_size=2"), "qwen3_4_layers", FP64),
     Layout("gemma2_pp2_fsdp2", 4, (*GEMMA2, "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2", "--training.local_batch_size=4"), "gemma2", FP64),
     Layout("gemma3_pp2_tp2", 4, (*GEMMA3, "--parallelism.tensor_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2"), "gemma3", FP64),
+    # DeepSeek-V3: experts over EP drawn from FSDP; K and V (of two head sizes) gathered in
+    # one collective under CP, the dense and MoE blocks on two PP stages
+    Layout("deepseek_fsdp2_ep2", 2, (*REFERENCES["deepseek"], "--parallelism.expert_parallel_degree=2", "--training.local_batch_size=4"), "deepseek", FP64),
+    Layout("deepseek_cp2_pp2", 4, (*REFERENCES["deepseek"], "--parallelism.context_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2"), "deepseek", FP64),
     Layout("moe_ep2_pp2_ddp", 4, (*MOE_Z_BIAS, "--parallelism.expert_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2", "--parallelism.zero_stage=0", "--training.local_batch_size=4"), "moe_z_bias", FP64),
 )
 # fmt: on
@@ -157,7 +164,7 @@ def test_fp64_layout_matches_one_process(runs, name):
     assert sorted(val_ref) == [4, STEPS], f"validation at steps {sorted(val_ref)}"
     worst["validation"] = assert_series(val_ref, val, "validation loss", row.tol.loss)
     if name.startswith(
-        ("moe", "gpt_oss")
+        ("moe", "gpt_oss", "deepseek")
     ):  # no tie flips: the same tokens per expert at every step
         assert_router_parity(ref.folder, run.folder, tol=FP64.loss)
     print(

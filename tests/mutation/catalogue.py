@@ -243,6 +243,14 @@ MUTANTS = [
         (f"{QWEN3_PARITY}[tied_fsdp2]",),
     ),
     Mutant(
+        "mla_scale_without_mscale",
+        "DeepSeek-V3: the softmax scale of latent attention leaves out YaRN's mscale",
+        "models/deepseek_v3/model.py",
+        "return args.head_dim**-0.5 * _mscale(args.rope_factor, args.rope_mscale_all_dim) ** 2",
+        "return args.head_dim**-0.5",
+        ("tests/unit/test_deepseek_v3.py::test_logits_match_transformers",),
+    ),
+    Mutant(
         "moe_groups_not_limited",
         "DeepSeek routing: the choice is not limited to each token's best expert groups",
         "models/moe.py",

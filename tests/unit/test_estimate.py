@@ -142,6 +142,9 @@ def test_simulated_states_equal_real_tensors_after_a_step(world, tp, zero, model
         ("gemma3", "debugmodel", {"dim": 128, "n_heads": 4, "n_kv_heads": 1}),
         ("gpt_oss", "debugmodel", {}),
         ("gpt_oss", "debugmodel", {"n_experts": 16, "top_k": 2, "moe_ffn_dim": 96}),
+        # DeepSeek-V3's count averages its dense and MoE blocks: all dense, then all MoE
+        ("deepseek_v3", "debugmodel", {"n_dense_layers": 4, "n_heads": 8, "n_kv_heads": 8}),
+        ("deepseek_v3", "debugmodel", {"n_dense_layers": 0, "n_experts": 16, "top_k": 4}),
     ],
 )
 def test_family_block_count_equals_saved_activations_on_cpu(name, flavor, shape):

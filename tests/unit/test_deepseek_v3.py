@@ -1,0 +1,151 @@
+"""DeepSeek-V3's model (models/deepseek_v3/model.py) against Hugging Face's
+`DeepseekV3ForCausalLM`, in this process: the logits equal transformers' (latent attention with
+and without the query bottleneck, YaRN with DeepSeek's mscale, dense then MoE blocks with
+group-limited sigmoid routing and shared experts), and each of those features moves them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from models.deepseek_v3.model import DeepSeekV3, DeepSeekV3Args
+
+transformers = pytest.importorskip("transformers")
+
+# HF's float64 model rounds to float32 in its RMSNorm (`x.float()`), its RoPE table (float32
+# angles) and its router (float32 logits), so ours in float64 differ from its logits by float32
+# rounding. Measured (2026-12-07): at most 1.3e-6 (logits of magnitude up to 3.4); kept at 4x.
+# Each feature left out moves them by more than 1e-2 (test_each_feature_moves_the_logits).
+LOGITS_TOL = 5e-6
+YARN = dict(rope_type="yarn", rope_theta=10_000.0, factor=4.0, beta_fast=8.0, beta_slow=1.0,
+            mscale=1.0, mscale_all_dim=0.707, original_max_position_embeddings=16)  # fmt: skip
+TOKENS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+def _hf_config(**kw):
+    # 3 layers: 1 dense, 2 MoE; 8 experts in 4 groups, 2 groups kept, 3 experts per token
+    fields = dict(
+        vocab_size=256, hidden_size=64, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=20, qk_nope_head_dim=12,
+        qk_rope_head_dim=8, v_head_dim=10, n_routed_experts=8, num_experts_per_tok=3, n_group=4,
+        topk_group=2, n_shared_experts=2, routed_scaling_factor=2.5, max_position_embeddings=64,
+        rope_parameters=YARN, attn_implementation="eager", experts_implementation="eager",
+    )  # fmt: skip
+    return transformers.DeepseekV3Config(**{**fields, **kw})
+
+
+def _args(config) -> DeepSeekV3Args:
+    c, rope = config, config.rope_parameters
+    return DeepSeekV3Args(
+        dim=c.hidden_size, n_layers=c.num_hidden_layers, n_heads=c.num_attention_heads,
+        n_kv_heads=c.num_attention_heads, head_dim=c.qk_nope_head_dim + c.qk_rope_head_dim,
+        vocab_size=c.vocab_size, max_seq_len=c.max_position_embeddings,
+        q_lora_rank=c.q_lora_rank or 0, kv_lora_rank=c.kv_lora_rank,
+        qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim,
+        v_head_dim=c.v_head_dim, ffn_dim=c.intermediate_size,
+        n_dense_layers=c.first_k_dense_replace, n_experts=c.n_routed_experts,
+        top_k=c.num_experts_per_tok, moe_ffn_dim=c.moe_intermediate_size,
+        n_shared_experts=c.n_shared_experts, moe_n_groups=c.n_group,
+        moe_topk_groups=c.topk_group, moe_route_scale=c.routed_scaling_factor,
+        rope_theta=rope["rope_theta"], rope_factor=rope["factor"],
+        rope_old_context=rope["original_max_position_embeddings"],
+        rope_beta_fast=rope["beta_fast"], rope_beta_slow=rope["beta_slow"],
+        rope_mscale=rope["mscale"], rope_mscale_all_dim=rope["mscale_all_dim"],
+        moe_grouped_mm=False,
+    )  # fmt: skip
+
+
+_RENAMED = {
+    "self_attn.q_proj": "attention.wq", "self_attn.q_a_proj": "attention.wq_a",
+    "self_attn.q_a_layernorm": "attention.q_norm", "self_attn.q_b_proj": "attention.wq_b",
+    "self_attn.kv_a_proj_with_mqa": "attention.wkv_a",
+    "self_attn.kv_a_layernorm": "attention.kv_norm", "self_attn.kv_b_proj": "attention.wkv_b",
+    "self_attn.o_proj": "attention.wo", "input_layernorm": "attention_norm",
+    "post_attention_layernorm": "ffn_norm", "mlp.gate.weight": "moe.router.weight",
+    "mlp.gate.e_score_correction_bias": "moe.expert_bias",
+    "mlp.shared_experts.gate_proj": "moe.shared_experts.w1",
+    "mlp.shared_experts.up_proj": "moe.shared_experts.w3",
+    "mlp.shared_experts.down_proj": "moe.shared_experts.w2",
+    "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3",
+    "mlp.down_proj": "feed_forward.w2", "mlp.experts.down_proj": "moe.experts.w2",
+}  # fmt: skip
+
+
+def _our_state(hf_sd: dict, args: DeepSeekV3Args) -> dict:
+    """Transformers' tensors under our names (the experts' fused gate_up_proj split in two)."""
+    out = {}
+    for name, t in hf_sd.items():
+        name = name.removeprefix("model.")
+        outer = {"embed_tokens.weight": "tok_embeddings.weight", "lm_head.weight": "output.weight"}
+        name = outer.get(name, name)
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix = name.removesuffix("mlp.experts.gate_up_proj")
+            w1, w3 = t.split(args.moe_ffn_dim, 1)
+            out[prefix + "moe.experts.w1"], out[prefix + "moe.experts.w3"] = w1, w3
+            continue
+        for theirs, ours in _RENAMED.items():
+            name = name.replace(f".{theirs}", f".{ours}")
+        out[name] = t
+    return out
+
+
+def _pair(**config):
+    """A tiny random DeepseekV3ForCausalLM (float64, weights of std 0.5, norms 0.2 x (1 +- 0.2),
+    a non-zero correction bias) and ours with its weights."""
+    torch.manual_seed(0)
+    hf = transformers.DeepseekV3ForCausalLM(_hf_config(**config)).double().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            norm = 0.2 * (1 + 0.2 * torch.randn_like(p))
+            p.copy_(norm if "norm" in name else 0.5 * torch.randn_like(p))
+        for name, b in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn_like(b))
+    args = _args(hf.config)
+    ours = DeepSeekV3(args).double().eval()
+    ours.init_buffers("cpu")
+    ours.load_state_dict(_our_state(dict(hf.state_dict()), args))
+    return hf, ours
+
+
+@pytest.mark.parametrize("q_lora_rank", [24, None])
+def test_logits_match_transformers(q_lora_rank):
+    hf, ours = _pair(q_lora_rank=q_lora_rank)
+    assert isinstance(ours.layers["0"].feed_forward, torch.nn.Module)
+    assert ours.layers["1"].moe.shared_experts.w1.weight.shape == (32, 64)
+    with torch.no_grad():
+        got, want = ours(TOKENS), hf(TOKENS).logits
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=0, atol=LOGITS_TOL)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [dict(rope_mscale_all_dim=1.0), dict(moe_n_groups=1, moe_topk_groups=1),
+     dict(moe_route_scale=1.0), dict(n_shared_experts=0), dict(rope_factor=1.0)],
+    ids=lambda c: next(iter(c)),
+)  # fmt: skip
+def test_each_feature_moves_the_logits(change):
+    """Without any one feature the logits move far beyond LOGITS_TOL: each is exercised."""
+    hf, ours = _pair()
+    args = dataclasses.replace(ours.args, **change)
+    other = DeepSeekV3(args).double().eval()
+    other.init_buffers("cpu")
+    state = {k: v for k, v in ours.state_dict().items()}
+    missing = other.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        moved = (other(TOKENS) - ours(TOKENS)).abs().max().item()
+    assert moved > 1e-2, (change, moved, missing)
+
+
+def test_the_published_flavor_has_the_published_parameter_count():
+    """671B: transformers' DeepseekV3ForCausalLM of the published config holds 671,026,404,352
+    parameters (multi-token prediction not included); ours, built on the meta device, too."""
+    from models.deepseek_v3 import flavors
+
+    with torch.device("meta"):
+        model = DeepSeekV3(flavors["671B"])
+    assert sum(p.numel() for p in model.parameters()) == 671_026_404_352
