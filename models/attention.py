@@ -196,8 +196,8 @@ def fused_causal(q, k, v, scale: float | None = None, mask=None) -> torch.Tensor
     queries' (MLA) are zero-padded to it and the output cut back: the fused kernels need one
     head size, and SDPA's fallback would build the [queries, keys] scores."""
     width = v.shape[-1]
-    if width != q.shape[-1]:
-        v = F.pad(v, (0, q.shape[-1] - width)) if width < q.shape[-1] else v
+    if width < q.shape[-1]:
+        v = F.pad(v, (0, q.shape[-1] - width))
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
     )

@@ -251,6 +251,14 @@ MUTANTS = [
         ("tests/unit/test_deepseek_v3.py::test_logits_match_transformers",),
     ),
     Mutant(
+        "moe_sigmoid_balance_unnormalised",
+        "DeepSeek routing: the balance loss reads the sigmoid scores as if they summed to one",
+        "models/moe.py",
+        "            scores = scores / scores.sum(dim=-1, keepdim=True)\n",
+        "            pass\n",
+        (f"{MOE_UNIT}::test_sigmoid_balance_loss_reads_each_tokens_scores_as_a_distribution",),
+    ),
+    Mutant(
         "moe_groups_not_limited",
         "DeepSeek routing: the choice is not limited to each token's best expert groups",
         "models/moe.py",

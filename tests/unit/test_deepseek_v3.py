@@ -130,15 +130,13 @@ def test_logits_match_transformers(q_lora_rank):
 )  # fmt: skip
 def test_each_feature_moves_the_logits(change):
     """Without any one feature the logits move far beyond LOGITS_TOL: each is exercised."""
-    hf, ours = _pair()
-    args = dataclasses.replace(ours.args, **change)
-    other = DeepSeekV3(args).double().eval()
+    _, ours = _pair()
+    other = DeepSeekV3(dataclasses.replace(ours.args, **change)).double().eval()
     other.init_buffers("cpu")
-    state = {k: v for k, v in ours.state_dict().items()}
-    missing = other.load_state_dict(state, strict=False)
+    other.load_state_dict(ours.state_dict(), strict=False)  # less the shared experts, if gone
     with torch.no_grad():
         moved = (other(TOKENS) - ours(TOKENS)).abs().max().item()
-    assert moved > 1e-2, (change, moved, missing)
+    assert moved > 1e-2, (change, moved)
 
 
 def test_the_published_flavor_has_the_published_parameter_count():

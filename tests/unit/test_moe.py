@@ -105,6 +105,20 @@ def test_deepseek_routing_and_shared_experts_equal_transformers(n_groups, topk_g
     assert all(len(set(row.tolist())) <= topk_groups for row in groups)
 
 
+def test_sigmoid_balance_loss_reads_each_tokens_scores_as_a_distribution():
+    """With sigmoid scores the logged balance loss is coeff x E x sum_i f_i P_i with P_i the
+    mean of each token's scores divided by their sum (they do not add up to one)."""
+    _, ours = _deepseek_pair(4, 2)
+    ours.aux_coeff = 0.01
+    x = torch.randn(40, 32)
+    ours.train()(x)
+    _, scores, chosen, _ = ours.route(x)
+    f = torch.bincount(chosen.flatten(), minlength=8) / 40
+    p = (scores / scores.sum(-1, keepdim=True)).mean(0)
+    want = 0.01 * 8 * (f * p).sum()
+    torch.testing.assert_close(ours.aux_loss_sum, want.to(ours.aux_loss_sum.dtype))
+
+
 def test_grouped_compute_equals_the_per_expert_loop_forward_and_backward():
     """`torch._grouped_mm`, the padded batched matmul (used where the device lacks it) and the
     loop agree, in values and gradients, with an expert that receives no rows."""
