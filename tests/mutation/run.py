@@ -10,9 +10,11 @@ Each mutant is one exact text replacement in one product file. For each, the tra
 copied to a temporary folder, the replacement is applied there (the working tree is never
 touched), and only the tests that target the mutant run there (`pytest NODE ...`: one pytest
 run, whose run pool, tests/run_pool.py, launches only the runs those tests declare, each
-once however many of them read it). Two mutants run at a time (`--jobs`): each pytest run
-starts with a few seconds of a single core importing torch and collecting, which the other
-mutant's runs fill. A mutant is caught when at least one of
+once however many of them read it). That pytest runs in a process forked from a server that
+has already imported torch, transformers and the other third-party modules the tests use
+(never a module of this tree, which each mutant imports from its own copy): a fresh `python -m
+pytest` spends about 5 of its seconds importing them, for each of the ~90 mutants. Two mutants
+run at a time (`--jobs`). A mutant is caught when at least one of
 its target tests fails. The target tests pass on the unmutated tree: the suite runs them in
 the same CI job, before this script. Exit status 1 if any mutant is missed, or if a mutant's
 text is no longer found in its file (the catalogue must follow the code).
@@ -21,9 +23,12 @@ text is no longer found in its file (the catalogue must follow the code).
 from __future__ import annotations
 
 import argparse
+import atexit
 import concurrent.futures
+import multiprocessing
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -34,6 +39,14 @@ from pathlib import Path
 from catalogue import MUTANTS, Mutant  # tests/mutation/catalogue.py, next to this file
 
 ROOT = Path(__file__).resolve().parents[2]
+# imported once by the fork server each mutant's pytest starts from: third-party modules only
+# (a module of this tree imported there would shadow the mutant's copy of it)
+PRELOAD = [
+    "torch", "torch._dynamo", "torch._inductor.config", "torch.distributed.fsdp",
+    "torch.distributed.tensor", "torch.distributed.checkpoint", "torch.distributed.pipelining",
+    "numpy", "sympy", "pyarrow", "tokenizers", "tiktoken", "sentencepiece", "transformers",
+    "transformers.modeling_utils", "pytest",
+]  # fmt: skip
 
 
 def tracked_files(root: Path) -> list[str]:
@@ -69,6 +82,52 @@ def failed_tests(junit: Path) -> list[str]:
     return names
 
 
+def _pytest_in(tree: str, args: list[str], env: dict, log: str) -> None:
+    """In a process forked from the preloaded server: `pytest ARGS` as `python -m pytest`
+    would run it in `tree` (its folder first on the path, its environment), output to `log`;
+    exits with pytest's status after the exit handlers (the run pool's launcher is stopped by
+    one)."""
+    os.setsid()  # its own process group, which a timeout kills whole
+    os.chdir(tree)
+    sys.path.insert(0, tree)
+    os.environ.clear()
+    os.environ.update(env)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    import pytest
+
+    rc = int(pytest.main(args))
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
+
+
+def _forked_pytest(tree: Path, args: list[str], env: dict, timeout: float) -> tuple[int, str]:
+    """`pytest ARGS` in `tree` from the fork server: (exit status, output); -1 on timeout."""
+    log = str(tree) + ".log"
+    proc = _SERVER.Process(target=_pytest_in, args=(str(tree), args, env, log))
+    proc.start()
+    proc.join(timeout)
+    if proc.exitcode is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.join()
+        rc = -1
+    else:
+        rc = proc.exitcode
+    output = Path(log).read_text(errors="replace") if os.path.exists(log) else ""
+    if rc == -1:
+        output = f"timed out after {timeout:.0f} s\n{output}"
+    return rc, output
+
+
+_SERVER = multiprocessing.get_context("forkserver")
+
+
 def run_mutant(mutant: Mutant, files: list[str], workdir: Path, timeout: float) -> dict:
     tree = workdir / mutant.name
     for f in files:
@@ -76,20 +135,14 @@ def run_mutant(mutant: Mutant, files: list[str], workdir: Path, timeout: float) 
         shutil.copy2(ROOT / f, tree / f)
     (tree / mutant.path).write_text(mutated(mutant, tree))
     junit = workdir / f"{mutant.name}.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x"]
-    cmd += [f"--junitxml={junit}", "--basetemp", str(workdir / f"{mutant.name}_tmp")]
-    cmd += list(mutant.tests)
+    args = ["-q", "-p", "no:cacheprovider", "-x"]
+    args += [f"--junitxml={junit}", "--basetemp", str(workdir / f"{mutant.name}_tmp")]
+    args += list(mutant.tests)
     # the tokenizer and token caches of this tree: the mutants change no data format
     env = {**os.environ, "MESHTRAIN_CACHE": str(ROOT / ".cache")}
     env.pop("CI", None)  # a skip is not a catch, and here it must not become a failure
     t0 = time.monotonic()
-    try:
-        proc = subprocess.run(
-            cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout
-        )
-        rc, output = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as e:
-        rc, output = -1, f"timed out after {timeout:.0f} s\n{e.stdout or ''}"
+    rc, output = _forked_pytest(tree, args, env, timeout)
     failed = failed_tests(junit)
     shutil.rmtree(tree, ignore_errors=True)
     return {
@@ -148,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     files = tracked_files(ROOT)
     for m in mutants:  # every mutant still applies, before anything runs
         mutated(m, ROOT)
+    _SERVER.set_forkserver_preload(PRELOAD)
     with tempfile.TemporaryDirectory(prefix="mutation_") as tmp:
         with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as ex:
             futures = [ex.submit(run_mutant, m, files, Path(tmp), args.timeout) for m in mutants]
