@@ -1,6 +1,6 @@
 """DeepSeek-V3 family: model, published flavors, registry entry (what the framework needs to
-parallelize it in plan.py; the MoE layer, its routing hooks and EP check are the shared
-models/moe.py and models/moe_routing.py).
+parallelize it in plan.py, Hugging Face names in hf.py; the MoE layer, its routing hooks and EP
+check are the shared models/moe.py and models/moe_routing.py).
 
 Published shapes from the DeepSeek-V3 config: dim 7168, 61 layers (the first 3 dense, SwiGLU of
 18,432), 128 heads of latent attention (query rank 1536, key/value rank 512, head parts 128
@@ -12,7 +12,8 @@ config (the checkpoint's multi-token-prediction layer, 14B more, is not part of 
 `vocab_size` is replaced by the tokenizer's when one is loaded.
 """
 
-from models.contract import ModelSpec, register
+from models.contract import HFAdapter, ModelSpec, register
+from models.deepseek_v3 import hf
 from models.deepseek_v3.model import DeepSeekV3, DeepSeekV3Args
 from models.deepseek_v3.plan import (
     deepseek_v3_block_activation_bytes,
@@ -36,6 +37,7 @@ flavors = {
 SPEC = register(ModelSpec(
     "deepseek_v3", DeepSeekV3, flavors, tp_plan=deepseek_v3_tp_plan,
     validate=deepseek_v3_problems, block_activation_bytes=deepseek_v3_block_activation_bytes,
+    hf=HFAdapter.of("deepseek_v3", hf),
     routing=routing_hooks(("w1", "w2", "w3")),
     compile_module="attention",  # routing has data-dependent shapes (counts, EP splits)
     function_args=("rope_theta", "norm_eps", "rope_factor", "rope_old_context", "rope_beta_fast",

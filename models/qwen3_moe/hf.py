@@ -2,11 +2,8 @@
 
 Attention, norms and embeddings are named as the dense Qwen3's (`models/hf_names.py`). The
 experts are written in the on-disk format of the published checkpoints, one linear per expert
-and projection: `model.layers.{i}.mlp.experts.{j}.gate_proj.weight` (our `w1[j]`), `up_proj`
-(`w3[j]`), `down_proj` (`w2[j]`), and the router as `model.layers.{i}.mlp.gate.weight`.
-transformers 5 stacks those on load (its conversion mapping for qwen2_moe, which qwen3_moe
-uses) into the fused `experts.gate_up_proj` [E, 2F, dim] (gate rows first) and
-`experts.down_proj` [E, dim, F] of its in-memory model; both forms are read here.
+and projection, and read in that form or transformers' fused one (the shared
+`models/moe_hf.py`); the router is `model.layers.{i}.mlp.gate.weight`.
 
 `expert_bias` (the aux-loss-free balancing bias) has no Hugging Face counterpart: it is left
 out of an export (with a warning when non-zero: the exported model then chooses its experts
@@ -20,34 +17,23 @@ import warnings
 
 import torch
 
-from models import hf_names
+from models import hf_names, moe_hf
 from models.contract import HFTensor
 from models.qwen3_moe.model import Qwen3MoEArgs
 
 _BLOCK = {**hf_names.ATTENTION, "moe.router.weight": "mlp.gate.weight"}
 _BLOCK_BACK = {v: k for k, v in _BLOCK.items()}
-_EXPERT = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}  # ours -> HF projection
-_EXPERT_BACK = {v: k for k, v in _EXPERT.items()}
-_OURS_MOE = re.compile(r"layers\.(\d+)\.moe\.(experts\.w[123]|expert_bias)")
-_PER_EXPERT = re.compile(
-    r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight"
-)
-_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
+_EXPERT_BIAS = re.compile(r"layers\.(\d+)\.moe\.expert_bias")
 
 
 def hf_tensor(name: str, args: Qwen3MoEArgs) -> HFTensor:
     """Where our tensor `name` is in HF files: the experts stacked from one tensor per expert,
     the balancing bias nowhere (zero on import), the rest renamed as Qwen3's."""
-    m = _OURS_MOE.fullmatch(name)
-    if m is None:
-        return hf_names.hf_tensor(name, args, _BLOCK)
-    if m.group(2) == "expert_bias":
+    if m := moe_hf.OURS.fullmatch(name):
+        return moe_hf.expert_tensor(m.group(1), m.group(2), args.n_experts)
+    if _EXPERT_BIAS.fullmatch(name):
         return HFTensor(())
-    proj = _EXPERT[m.group(2)[-2:]]
-    names = [
-        f"model.layers.{m.group(1)}.mlp.experts.{j}.{proj}.weight" for j in range(args.n_experts)
-    ]
-    return HFTensor(tuple(names), stacked=True)
+    return hf_names.hf_tensor(name, args, _BLOCK)
 
 
 # ------------------------------------------------------------------------------- export
@@ -55,14 +41,13 @@ def to_hf(sd: dict[str, torch.Tensor], args: Qwen3MoEArgs) -> dict[str, torch.Te
     """Our full state dict -> the on-disk Hugging Face tensors (the experts as views of ours)."""
     out, biased = {}, []
     for name, t in sd.items():
-        m = _OURS_MOE.fullmatch(name)
-        if m is None:
-            out[hf_names.to_hf_name(name, _BLOCK)] = t
-        elif m.group(2) == "expert_bias":
+        if m := moe_hf.OURS.fullmatch(name):
+            out.update(moe_hf.split_experts(m.group(1), m.group(2), t))
+        elif m := _EXPERT_BIAS.fullmatch(name):
             if t.any():
                 biased.append(m.group(1))
         else:
-            out.update(split_experts(m.group(1), _EXPERT[m.group(2)[-2:]], t))
+            out[hf_names.to_hf_name(name, _BLOCK)] = t
     if biased:
         warnings.warn(
             f"layers {', '.join(biased)} have a non-zero expert_bias, which Hugging Face's "
@@ -72,51 +57,15 @@ def to_hf(sd: dict[str, torch.Tensor], args: Qwen3MoEArgs) -> dict[str, torch.Te
     return out
 
 
-def split_experts(layer: str, proj: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
-    """[E, out, in] -> one `model.layers.{layer}.mlp.experts.{j}.{proj}.weight` per expert."""
-    return {f"model.layers.{layer}.mlp.experts.{j}.{proj}.weight": w[j] for j in range(len(w))}
-
-
 # ------------------------------------------------------------------------------- import
 def from_hf(hf: dict[str, torch.Tensor], args: Qwen3MoEArgs) -> dict[str, torch.Tensor]:
     """Hugging Face tensors, per-expert (on disk) or fused (transformers' in-memory names),
     -> our state dict, with a zero `expert_bias` per layer."""
-    per_expert: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
-    out, rest = {}, {}
-    for name, t in hf.items():
-        if m := _PER_EXPERT.fullmatch(name):
-            layer, j, proj = m.groups()
-            per_expert.setdefault((layer, proj), {})[int(j)] = t
-        elif m := _FUSED.fullmatch(name):
-            out.update(unfuse_experts(m.group(1), m.group(2), t, args.moe_ffn_dim))
-        else:
-            rest[name] = t
-    for (layer, proj), experts in per_expert.items():
-        out[f"layers.{layer}.moe.experts.{_EXPERT_BACK[proj]}"] = stack_experts(
-            experts, args.n_experts, f"layer {layer} {proj}"
-        )
+    out, rest = moe_hf.experts_from_hf(hf, args.n_experts, args.moe_ffn_dim)
     out.update(hf_names.from_hf(rest, args, _BLOCK_BACK))
     for i in range(args.n_layers):
         out[f"layers.{i}.moe.expert_bias"] = torch.zeros(args.n_experts)
     return out
-
-
-def stack_experts(experts: dict[int, torch.Tensor], n_experts: int, what: str) -> torch.Tensor:
-    """{expert index: [out, in]} -> [E, out, in]; every expert 0..E-1 must be there."""
-    if sorted(experts) != list(range(n_experts)):
-        missing = sorted(set(range(n_experts)) - experts.keys())
-        extra = sorted(experts.keys() - set(range(n_experts)))
-        raise KeyError(f"{what}: experts {missing} missing, {extra} beyond n_experts")
-    return torch.stack([experts[j] for j in range(n_experts)])
-
-
-def unfuse_experts(layer: str, name: str, t: torch.Tensor, hidden: int) -> dict:
-    """transformers' fused `gate_up_proj` [E, 2F, dim] (gate first) or `down_proj`."""
-    prefix = f"layers.{layer}.moe.experts"
-    if name == "down_proj":
-        return {f"{prefix}.w2": t}
-    gate, up = t.split(hidden, dim=1)
-    return {f"{prefix}.w1": gate.contiguous(), f"{prefix}.w3": up.contiguous()}
 
 
 # ---------------------------------------------------------------------------- config.json

@@ -584,6 +584,15 @@ MUTANTS = [
         (f"{HF_STREAM}::test_the_description_agrees_with_the_whole_dict_conversion[llama3]",),
     ),
     Mutant(
+        "hf_fused_experts_gate_up_swapped",
+        "transformers' fused gate_up_proj of the experts is cut with the up rows taken for the "
+        "gate's (a model converted from transformers' in-memory state)",
+        "models/moe_hf.py",
+        "gate, up = t.split(hidden, dim=1)",
+        "up, gate = t.split(hidden, dim=1)",
+        ("tests/unit/test_deepseek_v3.py::test_logits_match_transformers",),
+    ),
+    Mutant(
         "hf_expert_slice_from_expert_zero",
         "a slice of stacked experts is read from expert 0 on, whatever its offset (an EP rank "
         "or a shard of experts gets another rank's experts)",

@@ -1,7 +1,9 @@
 """DeepSeek-V3's model (models/deepseek_v3/model.py) against Hugging Face's
 `DeepseekV3ForCausalLM`, in this process: the logits equal transformers' (latent attention with
 and without the query bottleneck, YaRN with DeepSeek's mscale, dense then MoE blocks with
-group-limited sigmoid routing and shared experts), and each of those features moves them."""
+group-limited sigmoid routing and shared experts), and each of those features moves them; the
+conversion scripts round-trip a checkpoint both ways, names and config.json invert with their
+refusals."""
 
 from __future__ import annotations
 
@@ -9,7 +11,15 @@ import dataclasses
 
 import pytest
 import torch
+from hf_round_trip import round_trip
 
+from models.deepseek_v3.hf import (
+    args_from_hf_config,
+    config_with_dtype,
+    from_hf,
+    from_hf_name,
+    to_hf_name,
+)
 from models.deepseek_v3.model import DeepSeekV3, DeepSeekV3Args
 
 transformers = pytest.importorskip("transformers")
@@ -58,40 +68,6 @@ def _args(config) -> DeepSeekV3Args:
     )  # fmt: skip
 
 
-_RENAMED = {
-    "self_attn.q_proj": "attention.wq", "self_attn.q_a_proj": "attention.wq_a",
-    "self_attn.q_a_layernorm": "attention.q_norm", "self_attn.q_b_proj": "attention.wq_b",
-    "self_attn.kv_a_proj_with_mqa": "attention.wkv_a",
-    "self_attn.kv_a_layernorm": "attention.kv_norm", "self_attn.kv_b_proj": "attention.wkv_b",
-    "self_attn.o_proj": "attention.wo", "input_layernorm": "attention_norm",
-    "post_attention_layernorm": "ffn_norm", "mlp.gate.weight": "moe.router.weight",
-    "mlp.gate.e_score_correction_bias": "moe.expert_bias",
-    "mlp.shared_experts.gate_proj": "moe.shared_experts.w1",
-    "mlp.shared_experts.up_proj": "moe.shared_experts.w3",
-    "mlp.shared_experts.down_proj": "moe.shared_experts.w2",
-    "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3",
-    "mlp.down_proj": "feed_forward.w2", "mlp.experts.down_proj": "moe.experts.w2",
-}  # fmt: skip
-
-
-def _our_state(hf_sd: dict, args: DeepSeekV3Args) -> dict:
-    """Transformers' tensors under our names (the experts' fused gate_up_proj split in two)."""
-    out = {}
-    for name, t in hf_sd.items():
-        name = name.removeprefix("model.")
-        outer = {"embed_tokens.weight": "tok_embeddings.weight", "lm_head.weight": "output.weight"}
-        name = outer.get(name, name)
-        if name.endswith("mlp.experts.gate_up_proj"):
-            prefix = name.removesuffix("mlp.experts.gate_up_proj")
-            w1, w3 = t.split(args.moe_ffn_dim, 1)
-            out[prefix + "moe.experts.w1"], out[prefix + "moe.experts.w3"] = w1, w3
-            continue
-        for theirs, ours in _RENAMED.items():
-            name = name.replace(f".{theirs}", f".{ours}")
-        out[name] = t
-    return out
-
-
 def _pair(**config):
     """A tiny random DeepseekV3ForCausalLM (float64, weights of std 0.5, norms 0.2 x (1 +- 0.2),
     a non-zero correction bias) and ours with its weights."""
@@ -107,7 +83,8 @@ def _pair(**config):
     args = _args(hf.config)
     ours = DeepSeekV3(args).double().eval()
     ours.init_buffers("cpu")
-    ours.load_state_dict(_our_state(dict(hf.state_dict()), args))
+    # transformers' in-memory names (the experts fused) through the family's Hugging Face import
+    ours.load_state_dict(from_hf(dict(hf.state_dict()), args))
     return hf, ours
 
 
@@ -160,3 +137,72 @@ def test_tensor_parallelism_is_refused_before_any_process_group():
         check_config(parse_args(argv), 2)
     assert "tensor_parallel_degree = 2" in str(e.value) and "deepseek_v3" in str(e.value)
     assert "TP 1" in str(e.value)
+
+
+def test_converts_both_ways_by_its_family_adapter(tmp_path):
+    """convert_from_hf picks DeepSeek-V3 by model_type (the per-expert files transformers
+    writes), convert_to_hf by the family the checkpoint records; the weights come back bit for
+    bit, the correction bias among them, and the re-exported model computes the same."""
+    hf, _ = _pair()
+    hf = hf.float()
+
+    def load(folder):
+        return transformers.DeepseekV3ForCausalLM.from_pretrained(
+            folder, attn_implementation="eager", experts_implementation="eager"
+        )
+
+    spec, args, again = round_trip(hf, tmp_path, TOKENS, load)
+    assert spec.name == "deepseek_v3"
+    assert dataclasses.replace(args, moe_grouped_mm=False) == _args(hf.config)
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert torch.equal(again.state_dict()[bias], hf.state_dict()[bias])
+    assert hf.state_dict()[bias].abs().min() > 0
+
+
+def test_names_and_config_round_trip():
+    from models.deepseek_v3 import flavors
+
+    args = flavors["debugmodel"]
+    with torch.device("meta"):
+        names = list(DeepSeekV3(args).state_dict())
+    plain = [n for n in names if ".moe.experts." not in n]
+    assert all(from_hf_name(to_hf_name(n)) == n for n in plain)
+    assert len({to_hf_name(n) for n in plain}) == len(plain)
+    config = config_with_dtype(args, torch.bfloat16)
+    again = transformers.DeepseekV3Config(**config)
+    assert args_from_hf_config(again.to_dict()) == args
+    # one query projection and plain RoPE (whose config states no old context)
+    plain = dataclasses.replace(args, q_lora_rank=0, rope_factor=1.0, rope_old_context=4096)
+    assert args_from_hf_config(config_with_dtype(plain, torch.float32)) == plain
+    for bad, match in (
+        ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+        ({"rope_interleave": False}, "rope_interleave"),
+        ({"scoring_func": "softmax"}, "scoring_func"),
+        ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope_type"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            args_from_hf_config({**config, **bad})
+
+
+def test_import_drops_the_prediction_layer_and_refuses_fp8():
+    """The published checkpoint's layer past num_hidden_layers (multi-token prediction) is left
+    out, as transformers does; FP8 weights with their block scales are refused with the fix."""
+    hf, ours = _pair()
+    sd = dict(hf.state_dict())
+    extra = {"model.layers.3.eh_proj.weight": torch.zeros(2, 2),
+             "model.layers.3.mlp.experts.0.gate_proj.weight": torch.zeros(2, 2)}  # fmt: skip
+    assert from_hf({**sd, **extra}, ours.args).keys() == ours.state_dict().keys()
+    scale = {"model.layers.0.self_attn.q_a_proj.weight_scale_inv": torch.ones(1, 1)}
+    with pytest.raises(ValueError, match="FineGrainedFP8Config"):
+        from_hf({**sd, **scale}, ours.args)
+
+
+def test_the_published_config_gives_the_published_flavor():
+    """transformers' default DeepseekV3Config is the published 671B's: it reads as our 671B
+    flavor but for what that config leaves out (YaRN: its default RoPE is unscaled; the
+    context it states)."""
+    from models.deepseek_v3 import flavors
+
+    got = args_from_hf_config(transformers.DeepseekV3Config().to_dict())
+    want = dataclasses.replace(flavors["671B"], rope_factor=1.0, max_seq_len=4096)
+    assert got == want

@@ -22,7 +22,7 @@ from checkpoint.hf_write import stream_dcp_to_hf
 from checkpoint.storage import CheckpointError
 from models import get_model_spec
 
-FAMILIES = ["llama3", "qwen3", "qwen3_moe", "gemma2", "gemma3", "gpt_oss"]
+FAMILIES = ["llama3", "qwen3", "qwen3_moe", "gemma2", "gemma3", "gpt_oss", "deepseek_v3"]
 
 
 def random_state(spec, args, seed=0) -> dict[str, torch.Tensor]:
