@@ -461,7 +461,44 @@ def generate(
             continue
         rows.append(best)
         uncovered -= best.pairs()
-    return Design(seed, rows, refused, drawn)
+    return Design(seed, _thinned(rows, _covered(row for _, row in drawn)), refused, drawn)
+
+
+def _thinned(rows: list[Row], drawn: set[tuple]) -> list[Row]:
+    """`rows` less the rows whose pairs the others (and the `drawn` pairs) already hold, or
+    can be made to hold: the greedy draw's later rows often cover an early row's pairs but one
+    or two, and those fit into another row by setting the pair's two factors there (a row
+    accepted by the config check, no dearer, that keeps every pair only it held). The
+    dearest rows go first; repeated until no row can go. Every pair the rows held stays held."""
+    needed = _covered(rows) - drawn
+
+    def rehomed(rest: list[Row], lost: set[tuple]) -> list[Row] | None:
+        for pair in sorted(lost, key=repr):
+            if pair in _covered(rest):
+                continue
+            for k in sorted(range(len(rest)), key=lambda k: cost(rest[k])):
+                values = dict(zip(FACTORS, rest[k].values)) | dict(pair)
+                moved = Row(tuple(values[f] for f in FACTORS))
+                if moved == rest[k] or cost(moved) > cost(rest[k]):
+                    continue
+                trial = [*rest[:k], moved, *rest[k + 1 :]]
+                if not (needed - lost) - _covered(trial) and not refusal(moved):
+                    rest = trial
+                    break
+            else:
+                return None
+        return rest
+
+    thinned = True
+    while thinned:
+        thinned = False
+        for row in sorted(rows, key=cost, reverse=True):
+            rest = [r for r in rows if r is not row]
+            rest = rehomed(rest, needed - _covered(rest))
+            if rest is not None:
+                rows, thinned = rest, True
+                break
+    return rows
 
 
 def _covered(rows) -> set[tuple]:
