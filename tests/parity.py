@@ -407,6 +407,8 @@ def moe_local_blocks(nproc: int, args: list[str], n_layers: int) -> int | None:
     the shard ranks only. None for the dense families, where `expected_layout`'s rule holds."""
     o = options(args)
     family = next((f for f in MOE_EXPERT_ELEMENTS if f in args), o.get("model.name"))
+    if family == "deepseek_v3" and int(o.get("parallelism.tensor_parallel_degree", 1)) > 1:
+        return _latent_attention_local_blocks(nproc, args, n_layers)
     if family not in MOE_EXPERT_ELEMENTS:
         return None
     tp = int(o.get("parallelism.tensor_parallel_degree", 1))
@@ -418,6 +420,41 @@ def moe_local_blocks(nproc: int, args: list[str], n_layers: int) -> int | None:
     # the experts are split over the EP ranks even where nothing else is sharded (ZeRO-0);
     # the router is replicated over them
     return layers * (attention // (tp * shards) + router // shards + experts // max(shards, ep))
+
+
+# DeepSeek-V3's block matrices that TP leaves whole (the rest of its blocks' matrices are cut
+# over the heads or the SwiGLU's hidden units; the routed experts over EP)
+_TP_REPLICATED = ("attention.wq_a.", "attention.wkv_a.", "moe.router.", "moe.shared_experts.")
+
+
+def _latent_attention_local_blocks(nproc: int, args: list[str], n_layers: int) -> int:
+    """Block weight elements per rank of DeepSeek-V3 under TP (no PP), from its meta model:
+    the heads' projections and the dense SwiGLU cut TP x shard times, the replicated
+    bottlenecks, router and shared experts by the shard ranks, the routed experts by
+    max(shard, EP) ranks."""
+    from dist_utils import TINY_CONFIG
+
+    from job_config import parse_args
+    from models import meta_model_for
+
+    o = options(args)
+    assert int(o.get("parallelism.pipeline_parallel_degree", 1)) == 1, "every rank all blocks"
+    tp = int(o.get("parallelism.tensor_parallel_degree", 1))
+    shards = expected_layout(nproc, args, n_layers)["block_divisor"] // tp
+    ep = int(o.get("parallelism.expert_parallel_degree", 1))
+    cfg = parse_args(["--config", str(TINY_CONFIG), *args])
+    _, _, model = meta_model_for(cfg, cfg.training.seq_len, None, ValueError)
+    total = 0
+    for name, p in model.layers.named_parameters():
+        if p.ndim < 2:
+            continue
+        if ".moe.experts." in name:
+            total += p.numel() // max(shards, ep)
+        elif any(part in name for part in _TP_REPLICATED):
+            total += p.numel() // shards
+        else:
+            total += p.numel() // (tp * shards)
+    return total
 
 
 def assert_router_parity(ref, run, first: int = 1, tol: float = ROUTER_TOL) -> None:

@@ -138,8 +138,10 @@ LAYOUTS = table(
     Layout("gemma2_pp2_fsdp2", 4, (*GEMMA2, "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2", "--training.local_batch_size=4"), "gemma2", FP64),
     Layout("gemma3_pp2_tp2", 4, (*GEMMA3, "--parallelism.tensor_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2"), "gemma3", FP64),
     # DeepSeek-V3: experts over EP drawn from FSDP; K and V (of two head sizes) gathered in
-    # one collective under CP, the dense and MoE blocks on two PP stages
+    # one collective under CP, the dense and MoE blocks on two PP stages; latent attention split
+    # by heads under TP (the shared rotated key's gradient summed over the TP ranks), with EP
     Layout("deepseek_fsdp2_ep2", 2, (*REFERENCES["deepseek"], "--parallelism.expert_parallel_degree=2", "--training.local_batch_size=4"), "deepseek", FP64),
+    Layout("deepseek_tp2_fsdp2_ep2", 4, (*REFERENCES["deepseek"], "--parallelism.tensor_parallel_degree=2", "--parallelism.expert_parallel_degree=2", "--training.local_batch_size=4"), "deepseek", FP64),
     Layout("deepseek_cp2_pp2", 4, (*REFERENCES["deepseek"], "--parallelism.context_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2"), "deepseek", FP64),
     Layout("moe_ep2_pp2_ddp", 4, (*MOE_Z_BIAS, "--parallelism.expert_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2", "--parallelism.zero_stage=0", "--training.local_batch_size=4"), "moe_z_bias", FP64),
 )

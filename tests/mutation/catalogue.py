@@ -251,6 +251,15 @@ MUTANTS = [
         ("tests/unit/test_deepseek_v3.py::test_logits_match_transformers",),
     ),
     Mutant(
+        "mla_tp_shared_key_grad_not_summed",
+        "DeepSeek-V3 under TP: the gradient of the rotated key every head shares is left as "
+        "each rank's own heads' part, not summed over the TP ranks",
+        "models/deepseek_v3/plan.py",
+        "key.to_local(grad_placements=[Partial()])",
+        "key.to_local()",
+        (f"{FP64_PARITY}[deepseek_tp2_fsdp2_ep2]",),
+    ),
+    Mutant(
         "moe_sigmoid_balance_unnormalised",
         "DeepSeek routing: the balance loss reads the sigmoid scores as if they summed to one",
         "models/moe.py",

@@ -126,19 +126,6 @@ def test_the_published_flavor_has_the_published_parameter_count():
     assert sum(p.numel() for p in model.parameters()) == 671_026_404_352
 
 
-def test_tensor_parallelism_is_refused_before_any_process_group():
-    """No TP plan for latent attention yet: the config check names both options and the fix."""
-    from job_config import ConfigError, parse_args
-    from training.preflight import check_config
-
-    argv = ["--model.name", "deepseek_v3", "--model.n_kv_heads", "4", "--training.device", "cpu",
-            "--parallelism.tensor_parallel_degree", "2"]  # fmt: skip
-    with pytest.raises((ConfigError, ValueError)) as e:
-        check_config(parse_args(argv), 2)
-    assert "tensor_parallel_degree = 2" in str(e.value) and "deepseek_v3" in str(e.value)
-    assert "TP 1" in str(e.value)
-
-
 def test_converts_both_ways_by_its_family_adapter(tmp_path):
     """convert_from_hf picks DeepSeek-V3 by model_type (the per-expert files transformers
     writes), convert_to_hf by the family the checkpoint records; the weights come back bit for
