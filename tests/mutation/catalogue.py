@@ -593,6 +593,17 @@ MUTANTS = [
         (f"{HF_STREAM}::test_the_description_agrees_with_the_whole_dict_conversion[llama3]",),
     ),
     Mutant(
+        "matrix_thinning_loses_pairs",
+        "the combination matrix's thinning moves a pair into another row without checking that "
+        "the row keeps the pairs only it held (a redrawn design then misses pairs)",
+        "tests/matrix.py",
+        "if not (needed - lost) - _covered(trial) and not refusal(moved):",
+        "if not refusal(moved):",
+        (
+            "tests/unit/test_matrix_design.py::test_thinning_keeps_every_pair_and_drops_what_others_hold",
+        ),
+    ),
+    Mutant(
         "hf_fused_experts_gate_up_swapped",
         "transformers' fused gate_up_proj of the experts is cut with the up rows taken for the "
         "gate's (a model converted from transformers' in-memory state)",

@@ -66,3 +66,22 @@ def test_row_of_resolves_degrees_and_refuses_other_levels():
                   ["--model.flavor=1B"], ["--activation_checkpoint.mode=selective",
                                           "--activation_checkpoint.selective_ac_option=3"]):  # fmt: skip
         assert row_of(2, ["--training.local_batch_size=4", *other]) is None, other
+
+
+def test_thinning_keeps_every_pair_and_drops_what_others_hold(monkeypatch):
+    """`matrix._thinned` on 40 random rows (the config check accepting every row, so that
+    nothing is launched or parsed): every pair the rows held is still held, no row got
+    dearer, a duplicated row is gone, and so are rows the others already covered."""
+    import random
+
+    import matrix
+
+    monkeypatch.setattr(matrix, "refusal", lambda row: "")
+    rng = random.Random(5)
+    rows = [Row(tuple(rng.choice(levels) for levels in FACTORS.values())) for _ in range(40)]
+    rows.append(rows[0])
+    thinned = matrix._thinned(list(rows), set())
+    assert matrix._covered(thinned) >= matrix._covered(rows)
+    assert len(thinned) < len(rows) - 1
+    assert sum(map(matrix.cost, thinned)) < sum(map(matrix.cost, rows))
+    assert len(set(thinned)) == len(thinned)
