@@ -1,10 +1,12 @@
 """Parallelism units on 2 real gloo ranks (spawned processes, one spawn for all checks): ZeRO-1/2
 state and registration, FSDP2's units, the global gradient norm over mixed meshes, the step's
 loss over the global count of labelled tokens, attention sinks split over heads (TP) and over
-the sequence (CP, both methods). Compile turns have a spawn of their own, so that their two
+the sequence (CP, both methods), DeepSeek-V3's latent attention split over heads (TP). Compile turns have a spawn of their own, so that their two
 planted bugs run only that check."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from dist_utils import spawn
@@ -29,6 +31,7 @@ def _two_rank_checks(rank: int, world: int) -> None:
     _fsdp_units(mesh, args, ref)
     _step_loss_over_the_global_token_count(rank, world, mesh, args)
     _sinks_split_over_heads(mesh)
+    _latent_attention_split_over_heads(rank, mesh)
     _sinks_split_over_the_sequence(rank, world, mesh)
     _grad_norm_over_a_mix(mesh)
 
@@ -253,6 +256,51 @@ def _sinks_split_over_heads(mesh) -> None:
     (want * grad).sum().backward()
     for (name, p), q in zip(tp.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def _latent_attention_split_over_heads(rank, mesh) -> None:
+    """DeepSeek-V3's latent attention under TP 2 by its plan's attention entries, with and
+    without the query bottleneck: each rank's sequence shard of the output and every weight's
+    gradient equal one process's (float64); the shared rotated key's gradient is the one
+    summed over the ranks."""
+    from torch import nn
+
+    from models.attention import attention_batch
+    from models.deepseek_v3 import flavors
+    from models.deepseek_v3.model import LatentAttention, rope_table
+    from models.deepseek_v3.plan import deepseek_v3_tp_plan
+    from parallelisms.tensor_parallel import _apply
+
+    plan = {k: v for k, v in deepseek_v3_tp_plan(False).block.items() if k.startswith("attention")}
+    for q_lora_rank in (16, 0):
+        args = dataclasses.replace(
+            flavors["debugmodel"], dim=32, n_heads=4, n_kv_heads=4, q_lora_rank=q_lora_rank,
+            kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, head_dim=12, v_head_dim=6,
+            max_seq_len=64, rope_old_context=16,
+        )  # fmt: skip
+
+        def make(args=args):
+            torch.manual_seed(0)
+            holder = nn.Module()
+            holder.attention = LatentAttention(args).double()
+            return holder
+
+        ref, tp = make(), make()
+        _apply(tp, mesh, plan)
+        g = torch.Generator().manual_seed(7)
+        x = torch.randn(2, 32, 32, generator=g, dtype=torch.float64)
+        rope = rope_table(args, dtype=torch.float64)
+        ab = attention_batch([ref.attention.core.spec], 2, 32, x.device)
+        want = ref.attention(x, rope, ab)
+        got = tp.attention(x.chunk(2, dim=1)[rank], rope, ab)  # this rank's sequence shard
+        torch.testing.assert_close(got, want.chunk(2, dim=1)[rank], rtol=1e-12, atol=1e-12)
+        grad = torch.randn(want.shape, generator=g, dtype=torch.float64)
+        (got * grad.chunk(2, dim=1)[rank]).sum().backward()
+        (want * grad).sum().backward()
+        for (name, p), q in zip(tp.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(
+                p.grad.full_tensor(), q.grad, rtol=1e-10, atol=1e-12, msg=f"{q_lora_rank} {name}"
+            )
 
 
 def _sinks_split_over_the_sequence(rank, world, mesh) -> None:
