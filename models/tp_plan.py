@@ -41,15 +41,16 @@ class ReplicateParallel(ParallelStyle):
     share, say). Its gradients are then equal on every TP rank, as its inputs are."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def wrap(_, inputs, mesh):
-            return tuple(
-                DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs
-            )
-
         def unwrap(_, output, mesh):
             return output.to_local()
 
-        return distribute_module(module, device_mesh, input_fn=wrap, output_fn=unwrap)
+        return distribute_module(module, device_mesh, input_fn=replicated_inputs, output_fn=unwrap)
+
+
+def replicated_inputs(_, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    """A module's plain inputs, identical on every TP rank, as replicated DTensors (the
+    `input_fn` of `distribute_module` for a module whose parameters TP replicates)."""
+    return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)
 
 
 class ShardSinksWithHeads(ParallelStyle):

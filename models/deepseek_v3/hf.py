@@ -23,7 +23,7 @@ from models import hf_names, moe_hf
 from models.contract import HFTensor
 from models.deepseek_v3.model import DeepSeekV3Args
 
-_FFN = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+_FFN = moe_hf.EXPERT  # a SwiGLU's projections, ours -> HF (dense, shared and routed experts)
 _NAMES = hf_names.Renaming(
     {
         "attention_norm.weight": "input_layernorm.weight",

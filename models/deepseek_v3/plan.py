@@ -15,7 +15,13 @@ from torch.distributed.tensor.parallel import (
 )
 
 from models.moe_routing import expert_split_problems
-from models.tp_plan import ReplicateParallel, TPPlan, decoder_tp_plan, moe_block_plan
+from models.tp_plan import (
+    ReplicateParallel,
+    TPPlan,
+    decoder_tp_plan,
+    moe_block_plan,
+    replicated_inputs,
+)
 
 
 def deepseek_v3_problems(cfg, args) -> list[str]:
@@ -46,18 +52,13 @@ class LatentAttentionInput(PrepareModuleInput):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         rope_dim = module.rope_dim
 
-        def replicated(_, inputs, mesh):
-            return tuple(
-                DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs
-            )
-
         def key_gradient_summed(_, output, mesh):
             latent, key = output.to_local().split([output.shape[-1] - rope_dim, rope_dim], -1)
             key = DTensor.from_local(key, mesh, [Replicate()], run_check=False)
             return torch.cat([latent, key.to_local(grad_placements=[Partial()])], -1)
 
         distribute_module(
-            module.wkv_a, device_mesh, input_fn=replicated, output_fn=key_gradient_summed
+            module.wkv_a, device_mesh, input_fn=replicated_inputs, output_fn=key_gradient_summed
         )
         return super()._apply(module, device_mesh)
 
