@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from checkpoint.state import single_process
 from checkpoint.storage import CheckpointError, commit, prepare_tmp, read_layout, step_dir
+from models import mtp
 from models.contract import HFTensor
 
 
@@ -259,6 +260,21 @@ def fill_from_hf(msd: dict, folder: Path, spec, args) -> None:
         files.close()
 
 
+def hf_folder_args(folder: Path, spec, config: dict | None = None):
+    """The family's args of the model a Hugging Face folder holds: config.json's, less what
+    the folder lacks where the family says how (`HFAdapter.args_for_files`)."""
+    adapter = hf_adapter(spec)
+    if config is None:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    try:
+        args = adapter.args_from_config(config)
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"{folder}/config.json: {e}") from None
+    if adapter.args_for_files is not None:
+        args = adapter.args_for_files(args, set(HFFiles(folder).where))
+    return args
+
+
 def hf_load_problems(folder: Path, spec, args, model_only: bool) -> list[str]:
     """Before any process group: what stops a run from starting from the Hugging Face folder
     `folder` (checkpoint.initial_load_path): the family's adapter, config.json's model and
@@ -269,13 +285,15 @@ def hf_load_problems(folder: Path, spec, args, model_only: bool) -> list[str]:
     try:
         tensor_map(spec, args)
         check_hf_config(folder, spec, args, spec.function_args)
-        theirs = spec.hf.args_from_config(json.loads((Path(folder) / "config.json").read_text()))
+        theirs = hf_folder_args(folder, spec)
     except CheckpointError as e:
         return [f"{where}: {e}"]
     theirs = dataclasses.replace(theirs, vocab_size=args.vocab_size)
     with torch.device("meta"):
         mine = {k: tuple(v.shape) for k, v in spec.model_cls(args).state_dict().items()}
-        other = {k: tuple(v.shape) for k, v in spec.model_cls(theirs).state_dict().items()}
+        other = {k: tuple(v.shape) for k, v in spec.model_cls(theirs).state_dict().items()
+                 if k in mine or not k.startswith(f"{mtp.ATTRIBUTE}.")}  # fmt: skip
+        # (a run without multi-token prediction leaves a folder's prediction layers unread)
     bad = [f"{k}: {other.get(k)} there, {mine.get(k)} here"
            for k in sorted(mine.keys() | other.keys()) if mine.get(k) != other.get(k)]  # fmt: skip
     if bad:

@@ -61,6 +61,18 @@ class Model:
     n_layers: int = opt(0, "Override the flavor's number of layers (0 = the flavor's)", ge=0)
     n_heads: int = opt(0, "Override the flavor's attention heads (0 = the flavor's)", ge=0)
     n_kv_heads: int = opt(0, "Override the flavor's key/value heads (0 = the flavor's)", ge=0)
+    mtp_depth: int = opt(
+        -1,
+        "Multi-token-prediction modules after the blocks (models/mtp.py), for families whose "
+        "args have an mtp_depth field (DeepSeek-V3); -1 = the flavor's, 0 = off",
+        ge=-1,
+    )
+    mtp_loss_weight: float = opt(
+        -1.0,
+        "Weight of the multi-token-prediction modules' mean loss in training (DeepSeek-V3's "
+        "lambda); -1 = the flavor's",
+        ge=-1,
+    )
     rope_scaling: Literal["flavor", "none", "llama3"] = opt(
         "flavor",
         "RoPE frequency scaling, for families whose args have a use_scaled_rope field (the "

@@ -76,24 +76,28 @@ def get_model_spec(name: str) -> ModelSpec:
 
 
 # The args fields a config sets (when not at its default), by the option that sets them:
-# shapes (0 = the flavor's), mixture-of-experts options (-1 = the flavor's) and RoPE scaling
+# shapes (0 = the flavor's), mixture-of-experts and multi-token-prediction options (-1 = the
+# flavor's) and RoPE scaling
 # ('flavor' = the flavor's). A family whose args lack a field refuses its option when set.
 SHAPE_OVERRIDES = {k: f"model.{k}" for k in ("dim", "n_layers", "n_heads", "n_kv_heads")}
 MOE_OVERRIDES = {
     f"moe_{k}": f"moe.{k}" for k in ("aux_loss_coeff", "bias_update_rate", "z_loss_coeff")
 }
-OVERRIDE_OPTIONS = {**SHAPE_OVERRIDES, **MOE_OVERRIDES, "use_scaled_rope": "model.rope_scaling"}
+MTP_OVERRIDES = {k: f"model.{k}" for k in ("mtp_depth", "mtp_loss_weight")}
+OVERRIDE_OPTIONS = {**SHAPE_OVERRIDES, **MOE_OVERRIDES, **MTP_OVERRIDES,
+                    "use_scaled_rope": "model.rope_scaling"}  # fmt: skip
 
 
 def arg_overrides(cfg) -> dict[str, int | float | bool]:
-    """The args fields a JobConfig sets (`[model]` shapes non-zero, `[moe]` options not -1,
-    model.rope_scaling not 'flavor'), for `build_model_args`."""
+    """The args fields a JobConfig sets (`[model]` shapes non-zero, `[moe]` options and
+    model.mtp_* not -1, model.rope_scaling not 'flavor'), for `build_model_args`."""
     model, moe = cfg.model, cfg.moe
     out = {k: getattr(model, k) for k in SHAPE_OVERRIDES if getattr(model, k)}
     for field, option in MOE_OVERRIDES.items():
         value = getattr(moe, option.partition(".")[2])
         if value >= 0:
             out[field] = value
+    out |= {k: getattr(model, k) for k in MTP_OVERRIDES if getattr(model, k) >= 0}
     if model.rope_scaling != "flavor":
         out["use_scaled_rope"] = model.rope_scaling == "llama3"
     return out
@@ -122,8 +126,8 @@ def build_model_args(
         raise ValueError(
             f"model.name = '{name}' has no {', '.join(unknown)} (the args field set by "
             f"{', '.join(options)}), so {'it' if len(options) == 1 else 'they'} would be "
-            f"ignored: leave {', '.join(options)} at the default (0 for shapes, -1 for [moe], "
-            "'flavor' for model.rope_scaling) for this family, or drop it."
+            f"ignored: leave {', '.join(options)} at the default (0 for shapes, -1 for [moe] and "
+            "model.mtp_*, 'flavor' for model.rope_scaling) for this family, or drop it."
         )
     args = dataclasses.replace(base, max_seq_len=seq_len, **(overrides or {}))
     if vocab_size is not None:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models import mtp
 from models.attention import (
     AttentionBatch,
     AttentionCore,
@@ -143,6 +144,7 @@ class Decoder(nn.Module):
         documents: torch.Tensor | None = None,
         key_positions: torch.Tensor | None = None,
         key_documents: torch.Tensor | None = None,
+        mtp_labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens [batch, seq] -> logits [batch, seq, vocab] (a pipeline stage may take and
         return hidden states [batch, seq, dim] instead). `positions` [batch, seq]: each token's
@@ -150,8 +152,14 @@ class Decoder(nn.Module):
         holds other positions); `documents` [batch, seq]: each token's document index (document
         masking); `key_positions` and `key_documents`: those of the keys when they are not the
         queries (context parallelism's gathered keys). The block masks of the layers' attention
-        specs are built here, once per micro-batch (models/attention.py)."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        specs are built here, once per micro-batch (models/attention.py). `mtp_labels`
+        [batch, seq, depth + 1]: in training, the multi-token-prediction modules of a model
+        that has them (models/mtp.py) add their losses to the backward of the logits."""
+        mtp_on = self.training and mtp_labels is not None and bool(mtp.modules(self))
+        if mtp_on:
+            h, *embedded = mtp.embedded_inputs(self.tok_embeddings, tokens, mtp_labels)
+        else:
+            h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         rope = self.rope_rows(positions)
         batch = attention_batch(
             self.attention_specs, tokens.shape[0], tokens.shape[1], tokens.device,
@@ -160,6 +168,8 @@ class Decoder(nn.Module):
         for layer in self.layers.values():
             h = layer(h, rope, batch)
         h = self.norm(h) if self.norm is not None else h
+        if mtp_on:
+            return mtp.logits_with_losses(self, h, embedded, rope, batch, mtp_labels)
         return self.output(h) if self.output is not None else h
 
     def rope_rows(self, positions: torch.Tensor | None):

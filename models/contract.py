@@ -71,6 +71,9 @@ class HFAdapter:
     # (our tensor name, args) -> where it is in HF files: what streams and shards use; the
     # whole-dict functions above must agree with it (tests/unit/test_hf_stream.py checks)
     tensor: Callable[[str, Any], HFTensor] | None = None
+    # (args from config.json, the tensor names the folder holds) -> the args of the model the
+    # files hold, where config.json counts what a folder may lack (optional)
+    args_for_files: Callable[[Any, set[str]], Any] | None = None
 
     @classmethod
     def of(cls, model_type: str, hf_module) -> HFAdapter:
@@ -78,7 +81,7 @@ class HFAdapter:
         families' names: args_from_hf_config, config_with_dtype, to_hf, from_hf, hf_tensor."""
         m = hf_module
         return cls(model_type, m.args_from_hf_config, m.config_with_dtype, m.to_hf, m.from_hf,
-                   tensor=m.hf_tensor)  # fmt: skip
+                   tensor=m.hf_tensor, args_for_files=getattr(m, "args_for_files", None))  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -14,16 +14,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from models import mtp
 from models.contract import RoutingHooks
 from models.moe import MoE
 
 
 def moe_layers(model_parts: list[nn.Module]) -> dict[str, MoE]:
-    """This rank's MoE layers by block key ("3" for model.layers["3"]); blocks without one
-    (DeepSeek-V3's first, dense blocks) are left out."""
+    """This rank's MoE layers by block key ("3" for model.layers["3"], "mtp.0" for the first
+    multi-token-prediction module's block, models/mtp.py); blocks without one (DeepSeek-V3's
+    first, dense blocks) are left out."""
     out = {}
     for part in model_parts:
-        for key, block in part.layers.items():
+        for key, block in [*part.layers.items(), *mtp.blocks(part).items()]:
             moe = next((m for m in block.modules() if isinstance(m, MoE)), None)
             if moe is not None:
                 out[key] = moe
@@ -99,7 +101,10 @@ def summarize(per_layer: dict[str, dict[str, float]], idle_warn_steps: int):
         "bias_drift": max(s["bias_drift"] for s in layers),
         "idle_steps": max(s["idle"] for s in layers),
     }
-    idle = sorted((k for k, s in per_layer.items() if s["idle"] >= idle_warn_steps), key=int)
+    idle = sorted(
+        (k for k, s in per_layer.items() if s["idle"] >= idle_warn_steps),
+        key=lambda k: (not k.isdigit(), int(k) if k.isdigit() else k),
+    )
     warnings = []
     if idle:
         warnings.append(

@@ -111,6 +111,13 @@ def decoder_tp_plan(
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,
         ),
+        # multi-token prediction (models/mtp.py; its blocks take `block`): the norms and the
+        # projection of the two inputs run on sequence shards with replicated weights, and
+        # the module's output joins the main hidden state on its way to `output`
+        "mtp.*.enorm": SequenceParallel(),
+        "mtp.*.hnorm": SequenceParallel(),
+        "mtp.*.eh_proj": SequenceParallel(use_local_output=True),
+        "mtp.*.norm": SequenceParallel(),
     }
     block = {
         "attention_norm": SequenceParallel(),

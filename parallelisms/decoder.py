@@ -91,6 +91,14 @@ def decoder_problems(spec: ModelSpec, cfg, args) -> list[str]:
             problems += attention_problems(spec.model_cls(args), cfg.training.seq_len)
         problems += _sequence_mixing_problems(spec, args)
     problems += ulysses_problems(cfg.parallelism, args)
+    if getattr(args, "mtp_depth", 0) and cfg.parallelism.pipeline_parallel_degree > 1:
+        problems.append(
+            f"model.mtp_depth = {args.mtp_depth} with parallelism.pipeline_parallel_degree = "
+            f"{cfg.parallelism.pipeline_parallel_degree}: the multi-token-prediction modules "
+            "embed later tokens with the first stage's embeddings and predict them with the last "
+            "stage's output head, which a pipeline split puts on different ranks (not "
+            "implemented). Set model.mtp_depth = 0 or parallelism.pipeline_parallel_degree = 1."
+        )
     return problems + (spec.validate(cfg, args) if spec.validate else [])
 
 

@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from models import mtp
 from parallelisms.parallel_dims import ParallelDims
 
 
@@ -47,14 +48,15 @@ def embed_blocks_head_units(
     model: nn.Module, first: list[str], last: list[str], tied: bool
 ) -> list[FsdpUnit]:
     """The usual units of a decoder, from the family's module names: its `first` modules (token
-    embeddings) as an input unit, each block of `model.layers`, its `last` modules (final norm,
+    embeddings) as an input unit, each block of `model.layers` and each multi-token-prediction
+    module (models/mtp.py) after them, its `last` modules (final norm,
     output projection) as one output unit. `tied`: the first modules join the output unit, since
     FSDP shards a parameter in one unit only. Modules absent from a pipeline stage are left out."""
 
     def present(names: list[str]) -> list[nn.Module]:
         return [m for n in names if (m := getattr(model, n, None)) is not None]
 
-    blocks = [FsdpUnit([block], "block") for block in model.layers.values()]
+    blocks = [FsdpUnit([block], "block") for block in [*model.layers.values(), *mtp.modules(model)]]
     if tied:
         units = [*blocks, FsdpUnit(present(first + last), "output")]
     else:

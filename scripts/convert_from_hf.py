@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoint.hf import human_bytes, stream_hf_to_dcp
+from checkpoint.hf import hf_folder_args, human_bytes, stream_hf_to_dcp
 from checkpoint.state import DTYPES
 from checkpoint.storage import CheckpointError, step_dir
 from models import import_families
@@ -76,10 +76,7 @@ def convert(
 ) -> Path:
     config = json.loads((Path(hf_folder) / "config.json").read_text())
     spec = family_for(config, model_name)
-    try:
-        args = spec.hf.args_from_config(config)
-    except ValueError as e:
-        raise CheckpointError(f"{hf_folder}/config.json: {e}") from None
+    args = hf_folder_args(hf_folder, spec, config)
     if flavor:
         compare_with_flavor(spec, args, flavor)
     want = None if dtype == "keep" else DTYPES[dtype]

@@ -85,19 +85,21 @@ def training_step(cfg, dims, device):
         build_model_parts,
         build_step_setup,
         load_tokenizer,
+        multi_token_prediction,
         sequence_split,
     )
 
     t = cfg.training
     tokenizer = load_tokenizer(cfg)
     model_args = model_args_for(cfg, t.seq_len, tokenizer.vocab_size)
-    split = sequence_split(cfg, dims)  # this rank's CP shard of each sequence
+    split = sequence_split(cfg, dims, model_args)  # this rank's CP shard of each sequence
     loss_fn = StepLoss(cross_entropy_sum)
     spec = get_model_spec(cfg.model.name)
     built = build_model_parts(cfg, spec, dims, model_args, device, loss_fn)
     parts = built.parts
     optimizer = build_optimizer(parts, cfg.optimizer, device.type, no_decay_patterns(cfg))
     setup = build_step_setup(cfg, dims, device, built, loss_fn, split)
+    multi_token_prediction(model_args, parts, loss_fn)
     params = [p for part in parts for p in part.parameters()]
     # the CP ranks of one data-parallel replica hold shards of the same sequences
     gen = torch.Generator().manual_seed(cfg.debug.seed + dims.coordinate("dp")[0])

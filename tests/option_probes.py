@@ -279,7 +279,7 @@ def model_kwargs(case: Case) -> list[str]:
     with fake_world(1):
         dims = ParallelDims.from_parallelism(case.cfg.parallelism, 1)
         dims.build_mesh("cpu")
-        split = sequence_split(case.cfg, dims)
+        split = sequence_split(case.cfg, dims, model_args_for(case.cfg, case.cfg.training.seq_len))
     inputs = torch.randint(0, 256, (2, 32))
     one_document = torch.zeros_like(inputs, dtype=torch.int32)
     return sorted(sequence_inputs(split, inputs, inputs, one_document)[2])
@@ -318,6 +318,19 @@ def first_weights(case: Case) -> float:
 def compiled_loss(case: Case) -> bool:
     """Whether the loss `build_run` backpropagates goes through torch.compile."""
     return hasattr(step_loss_fn(case.cfg).token_loss_sum, "_torchdynamo_orig_callable")
+
+
+def prediction(case: Case) -> tuple:
+    """The multi-token prediction `build_run` trains: (modules, each one's loss weight as the
+    trainer sets it, whether the batches bring the later labels)."""
+    from models import mtp
+    from training.loss import StepLoss, cross_entropy_sum
+    from training.trainer import multi_token_prediction
+
+    m = model(case)
+    multi_token_prediction(m.args, [m], StepLoss(cross_entropy_sum))
+    found = mtp.modules(m)
+    return len(found), [x.weight for x in found], "mtp_labels" in model_kwargs(case)
 
 
 def moe_coefficients(case: Case) -> tuple:

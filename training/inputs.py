@@ -2,7 +2,9 @@
 shard of each sequence with their global positions (`parallelisms.context_parallel` decides
 which positions a CP rank holds and how its attention gathers the keys), and, with
 `training.document_mask`, each token's document index, for the queries and the (gathered)
-keys. The model builds its attention's block masks from them (models/attention.py)."""
+keys. The model builds its attention's block masks from them (models/attention.py). A model
+with multi-token prediction (models/mtp.py) also gets the labels of the later positions each
+of its depths predicts, cut from the whole sequence before the CP split."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from parallelisms.context_parallel import gathered_positions, local_positions
+from training.loss import IGNORE_INDEX
 
 
 @dataclass(frozen=True)
@@ -25,11 +28,22 @@ class SequenceSplit:
     cp: int = 1
     document_mask: bool = False
     positions: bool = False
+    mtp_depth: int = 0  # the model's multi-token-prediction modules (`mtp_labels`)
 
     @property
     def plain(self) -> bool:
-        """No CP, no document mask, no positions: the model's defaults."""
-        return self.cp == 1 and not self.document_mask and not self.positions
+        """No CP, no document mask, no positions, no multi-token prediction: the model's
+        defaults."""
+        return self.cp == 1 and not (self.document_mask or self.positions or self.mtp_depth)
+
+
+def later_labels(labels: torch.Tensor, depth: int) -> torch.Tensor:
+    """[batch, seq, depth + 1]: column k holds the label k positions later (column 0 the
+    labels), `IGNORE_INDEX` past the sequence's end: what multi-token prediction's depth k
+    embeds (column k - 1) and predicts (column k)."""
+    ignored = torch.full_like(labels[:, :depth], IGNORE_INDEX)
+    padded = torch.cat([labels, ignored], 1)
+    return torch.stack([padded[:, k : k + labels.shape[1]] for k in range(depth + 1)], -1)
 
 
 def sequence_inputs(
@@ -48,6 +62,7 @@ def sequence_inputs(
     if split.plain:
         return inputs, labels, {}
     batch, seq = inputs.shape  # seq_len % (2 cp) == 0: checked with the config
+    mtp = later_labels(labels, split.mtp_depth) if split.mtp_depth else None
     if not split.document_mask:
         documents = None
     elif documents is None:
@@ -56,10 +71,14 @@ def sequence_inputs(
         kwargs = {"positions": torch.arange(seq, device=inputs.device).expand(batch, -1)}
         if documents is not None:
             kwargs["documents"] = documents
+        if mtp is not None:
+            kwargs["mtp_labels"] = mtp
         return inputs, labels, kwargs
     mine = local_positions(seq, split.cp_rank, split.cp, inputs.device)
     keys = gathered_positions(seq, split.cp, inputs.device)
     kwargs = {"positions": mine.expand(batch, -1), "key_positions": keys.expand(batch, -1)}
     if documents is not None:
         kwargs["documents"], kwargs["key_documents"] = documents[:, mine], documents[:, keys]
+    if mtp is not None:
+        kwargs["mtp_labels"] = mtp[:, mine]
     return inputs[:, mine], labels[:, mine], kwargs

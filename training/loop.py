@@ -19,6 +19,7 @@ from job_config import JobConfig
 from metrics import MetricsLogger, peak_memory_gib, reset_peak_memory, throughput
 from metrics.memory_report import memory_report
 from metrics.profiling import MemorySnapshot, PhaseTimer, Profiler
+from models import mtp
 from parallelisms.parallel_dims import ParallelDims
 from training.inputs import sequence_inputs
 from training.step import StepSetup, clip_grad_norm_, global_mean, train_step
@@ -126,6 +127,8 @@ class Run:
     first_step: int = field(init=False)  # after a resume too; its time includes compilation
     non_finite: NonFiniteWatch = field(init=False)
     window: LogWindow = field(init=False, default_factory=LogWindow)
+    # the last step's multi-token-prediction loss, this rank's share (models/mtp.py)
+    mtp_loss: torch.Tensor | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.params = [p for part in self.setup.model_parts for p in part.parameters()]
@@ -174,6 +177,7 @@ def forward_backward(run: Run, micro: list[tuple]) -> torch.Tensor:
     except torch.OutOfMemoryError:
         run.snapshot.on_oom(run.state.step)
         raise
+    run.mtp_loss = mtp.take_logged_losses(run.setup.model_parts)
     run.phases.mark("forward_backward")
     return loss
 
@@ -223,6 +227,11 @@ def log_window(run: Run, loss: torch.Tensor, grad_norm: torch.Tensor, step_lr: f
         "loss": global_loss,
         "grad_norm": grad_norm.item(),
         "lr": step_lr,
+        **(
+            {}
+            if run.mtp_loss is None
+            else {"mtp_loss": global_mean(run.mtp_loss, run.loss_replicas)}
+        ),
         **rates,
         "memory_gib": peak_memory_gib(run.device),
         "step_time_s": window.time / window.steps,

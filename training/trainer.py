@@ -20,7 +20,7 @@ from job_config import JobConfig
 from metrics import MetricsLogger, device_peak_flops, flops_per_token
 from metrics.memory import process_rss_gib
 from metrics.profiling import MemorySnapshot, PhaseTimer, Profiler
-from models import get_model_spec, model_args_for
+from models import get_model_spec, model_args_for, mtp
 from models.contract import ModelSpec
 from models.init_weights import materialize
 from models.mixed_precision import in_weight_dtype, mixed_precision_dtypes, weight_dtype
@@ -283,12 +283,22 @@ def build_checkpointer(cfg, parallel_dims, model_parts, optimizer, lr_scheduler,
     return checkpointer
 
 
-def sequence_split(cfg: JobConfig, parallel_dims: ParallelDims) -> SequenceSplit:
-    """This rank's CP shard of the sequences, whether attention stays within documents, and
-    whether stages need the positions given (pipeline parallelism)."""
+def sequence_split(cfg: JobConfig, parallel_dims: ParallelDims, model_args) -> SequenceSplit:
+    """This rank's CP shard of the sequences, whether attention stays within documents,
+    whether stages need the positions given (pipeline parallelism), and the later labels the
+    model's multi-token prediction needs."""
     cp_rank, cp = parallel_dims.coordinate("cp")
     pp = parallel_dims.coordinate("pp")[1]
-    return SequenceSplit(cp_rank, cp, cfg.training.document_mask, positions=pp > 1)
+    depth = getattr(model_args, "mtp_depth", 0)
+    return SequenceSplit(cp_rank, cp, cfg.training.document_mask, pp > 1, depth)
+
+
+def multi_token_prediction(model_args, model_parts: list[nn.Module], loss_fn: StepLoss) -> None:
+    """A model's multi-token-prediction modules (models/mtp.py) train on the step loss, as the
+    main output does: every depth's token-loss sum over the step's global token count, their
+    mean weighted by `mtp_loss_weight`."""
+    if getattr(model_args, "mtp_depth", 0):
+        mtp.set_loss(model_parts, loss_fn, model_args.mtp_loss_weight)
 
 
 def build_step_setup(cfg, parallel_dims, device, built, loss_fn, split):
@@ -374,8 +384,9 @@ def build_run(cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, local_r
     checkpointer = build_checkpointer(
         cfg, parallel_dims, model_parts, optimizer, lr_scheduler, train_loader, state
     )
-    split = sequence_split(cfg, parallel_dims)
+    split = sequence_split(cfg, parallel_dims, model_args)
     setup = build_step_setup(cfg, parallel_dims, device, built, step_loss, split)
+    multi_token_prediction(model_args, model_parts, step_loss)
     routing = scaled_routing(spec, model_parts, batches.tokens_per_rank_step)
     set_collective_timeout(cfg.comm.train_timeout_seconds)
     metrics, profiler, snapshot, phases = build_observers(cfg, rank, device, state.step)

@@ -8,13 +8,18 @@ and norms (`wq_a` as `self_attn.q_a_proj`, `q_norm` as `q_a_layernorm`, `wkv_a` 
 `e_score_correction_bias`, the shared experts as `mlp.shared_experts`, and the routed experts in
 the published per-expert form (models/moe_hf.py).
 
-Left out: the published checkpoint's multi-token-prediction layer (`model.layers.61`, past
-`num_hidden_layers`, which transformers skips too) is dropped on import, and its FP8 weights
-(`weight_scale_inv`) are refused with the fix (dequantize to bfloat16 first).
+Multi-token prediction (models/mtp.py) is stored as the published checkpoint stores it: module
+k as layer `num_hidden_layers + k` (`model.layers.61` of the 671B), its block under the block
+names, `enorm`, `hnorm`, `eh_proj`, and its final norm as `shared_head.norm`; the layer's
+`embed_tokens` and `shared_head.head` are copies of the main model's (shared here: dropped on
+import, not written on export), and `num_nextn_predict_layers` is the depth. A checkpoint's
+layers past the depth asked for are dropped. FP8 weights (`weight_scale_inv`) are refused with
+the fix (dequantize to bfloat16 first).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import torch
@@ -41,15 +46,45 @@ _NAMES = hf_names.Renaming(
         "moe.expert_bias": "mlp.gate.e_score_correction_bias",
         **{f"moe.shared_experts.{w}.weight": f"mlp.shared_experts.{p}.weight"
            for w, p in _FFN.items()},
+        **{f"{n}.weight": f"{n}.weight" for n in ("enorm", "hnorm", "eh_proj")},
+        "norm.weight": "shared_head.norm.weight",  # a multi-token-prediction module's own
     }
 )  # fmt: skip
-to_hf_name, from_hf_name = _NAMES.to_hf_name, _NAMES.from_hf_name
-_LAYER = re.compile(r"model\.layers\.(\d+)\..+")
+_MTP_OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "norm.weight")
+_MTP = re.compile(r"mtp\.(\d+)\.(?:block\.)?(.+)")
+_AS_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_SHARED = ("embed_tokens.weight", "shared_head.head.weight")  # the main model's, copied
+
+
+def _as_layer(name: str, args: DeepSeekV3Args) -> str:
+    """Ours -> the block name of its checkpoint layer: module k's `mtp.k.block.X` and
+    `mtp.k.enorm.weight` as `layers.{n_layers + k}.X` and `layers.{n_layers + k}.enorm.weight`."""
+    m = _MTP.fullmatch(name)
+    return f"layers.{args.n_layers + int(m.group(1))}.{m.group(2)}" if m else name
+
+
+def _from_layer(name: str, args: DeepSeekV3Args) -> str:
+    """The inverse of `_as_layer`."""
+    m = _AS_LAYER.fullmatch(name)
+    if m is None or int(m.group(1)) < args.n_layers:
+        return name
+    k, rest = int(m.group(1)) - args.n_layers, m.group(2)
+    return f"mtp.{k}.{rest}" if rest in _MTP_OWN else f"mtp.{k}.block.{rest}"
+
+
+def to_hf_name(name: str, args: DeepSeekV3Args) -> str:
+    return _NAMES.to_hf_name(_as_layer(name, args))
+
+
+def from_hf_name(name: str, args: DeepSeekV3Args) -> str:
+    return _from_layer(_NAMES.from_hf_name(name), args)
 
 
 def hf_tensor(name: str, args: DeepSeekV3Args) -> HFTensor:
     """Where our tensor `name` is in HF files: the routed experts one tensor per expert, the
     rest renamed."""
+    name = _as_layer(name, args)
     if m := moe_hf.OURS.fullmatch(name):
         return moe_hf.expert_tensor(m.group(1), m.group(2), args.n_experts)
     return _NAMES.hf_tensor(name, args)
@@ -59,16 +94,18 @@ def to_hf(sd: dict[str, torch.Tensor], args: DeepSeekV3Args) -> dict[str, torch.
     """Our full state dict -> the on-disk Hugging Face tensors (the experts as views of ours)."""
     out = {}
     for name, t in sd.items():
+        name = _as_layer(name, args)
         if m := moe_hf.OURS.fullmatch(name):
             out.update(moe_hf.split_experts(m.group(1), m.group(2), t))
         else:
-            out[to_hf_name(name)] = t
+            out[_NAMES.to_hf_name(name)] = t
     return out
 
 
 def from_hf(hf: dict[str, torch.Tensor], args: DeepSeekV3Args) -> dict[str, torch.Tensor]:
-    """Hugging Face tensors (bfloat16 or wider), per-expert or fused, -> ours; the layers past
-    `n_layers` (multi-token prediction) are dropped."""
+    """Hugging Face tensors (bfloat16 or wider), per-expert or fused, -> ours; of the layers
+    past `n_layers` (multi-token prediction) the first `mtp_depth`, less their copies of the
+    embeddings and head."""
     quantized = sorted(n for n in hf if n.endswith("weight_scale_inv"))
     if quantized:
         raise ValueError(
@@ -77,11 +114,22 @@ def from_hf(hf: dict[str, torch.Tensor], args: DeepSeekV3Args) -> dict[str, torc
             "save_pretrained it in bfloat16 (or cast it with DeepSeek's fp8_cast_bf16.py), then "
             "convert that folder"
         )
-    kept = {n: t for n, t in hf.items()
-            if not (m := _LAYER.fullmatch(n)) or int(m.group(1)) < args.n_layers}  # fmt: skip
+    layers = args.n_layers + args.mtp_depth
+    kept = {n: t for n, t in hf.items() if not (m := _LAYER.fullmatch(n))
+            or (int(m.group(1)) < layers and m.group(2) not in _SHARED)}  # fmt: skip
     out, rest = moe_hf.experts_from_hf(kept, args.n_experts, args.moe_ffn_dim)
     out.update(_NAMES.from_hf(rest, args))
-    return out
+    return {_from_layer(n, args): t for n, t in out.items()}
+
+
+def args_for_files(args: DeepSeekV3Args, names: set[str]) -> DeepSeekV3Args:
+    """config.json's `num_nextn_predict_layers` counts the prediction layers of DeepSeek's
+    checkpoints, but transformers writes 1 by default and saves none: the depth is the number
+    of those layers the files hold."""
+    held = 0
+    while held < args.mtp_depth and f"model.layers.{args.n_layers + held}.eh_proj.weight" in names:
+        held += 1
+    return dataclasses.replace(args, mtp_depth=held)
 
 
 # ---------------------------------------------------------------------------- config.json
@@ -141,11 +189,13 @@ def args_from_hf_config(config: dict) -> DeepSeekV3Args:
         rope_beta_slow=rope.get("beta_slow") or 1.0,
         rope_mscale=rope.get("mscale") or 1.0,
         rope_mscale_all_dim=rope.get("mscale_all_dim") or 1.0,
+        mtp_depth=config.get("num_nextn_predict_layers", config.get("num_mtp_layers")) or 0,
     )
 
 
 def config_with_dtype(args: DeepSeekV3Args, dtype: torch.dtype) -> dict:
-    """config.json of the equivalent `DeepseekV3ForCausalLM` (no multi-token-prediction layer)."""
+    """config.json of the equivalent `DeepseekV3ForCausalLM` (its multi-token-prediction layers
+    as `num_nextn_predict_layers`)."""
     rope = {"rope_type": "default"}
     if args.rope_factor != 1.0:
         rope = {
@@ -181,7 +231,7 @@ def config_with_dtype(args: DeepSeekV3Args, dtype: torch.dtype) -> dict:
         "n_group": args.moe_n_groups,
         "topk_group": args.moe_topk_groups,
         "routed_scaling_factor": args.moe_route_scale,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": args.mtp_depth,
         "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta,  # older transformers; newer read rope_parameters
         "rope_scaling": None if args.rope_factor == 1.0 else rope,

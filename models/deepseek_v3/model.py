@@ -13,8 +13,10 @@
 - the first `n_dense_layers` blocks with a dense SwiGLU, the others with the shared MoE layer in
   DeepSeek's routing (models/moe.py: sigmoid scores, group-limited choice, scaled weights, the
   aux-loss-free bias, shared experts);
-- untied output; RMSNorm eps 1e-6.
-Multi-token prediction (the published checkpoint's extra layer 61) is not part of this model.
+- untied output; RMSNorm eps 1e-6;
+- multi-token prediction (`mtp_depth` modules, models/mtp.py, each with an MoE block; the
+  published checkpoint's layer 61): off in the flavors, whose parameter counts are the published
+  main model's, and on (depth 1, weight 0.3 as DeepSeek-V3's first 10T tokens) in the preset.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from models.attention import AttentionBatch, AttentionCore, AttentionSpec
 from models.blocks import FeedForward, PreNormBlock
 from models.decoder_shape import DecoderShape, ShapedDecoder
 from models.moe import MoE, MoEDecoder, MoEShape
+from models.mtp import MultiTokenPrediction
 from models.rope import apply_interleaved, cos_sin_table, yarn_scaled
 
 
@@ -72,6 +75,8 @@ class DeepSeekV3Args(MoEShape, DecoderShape):
     rope_beta_slow: float = 1.0
     rope_mscale: float = 1.0
     rope_mscale_all_dim: float = 1.0
+    mtp_depth: int = 0  # multi-token-prediction modules (models/mtp.py); 0 = off
+    mtp_loss_weight: float = 0.3  # lambda: their mean loss's weight in training
 
     def shape_problems(self) -> list[str]:
         problems = super().shape_problems()
@@ -82,6 +87,8 @@ class DeepSeekV3Args(MoEShape, DecoderShape):
             problems.append(f"n_kv_heads = {self.n_kv_heads} must equal n_heads (MLA)")
         if self.qk_rope_head_dim % 2 or not 0 <= self.n_dense_layers <= self.n_layers:
             problems.append("qk_rope_head_dim even and n_dense_layers in 0..n_layers")
+        if self.mtp_depth < 0 or self.mtp_loss_weight < 0:
+            problems.append("mtp_depth and mtp_loss_weight at least 0")
         return problems
 
 
@@ -169,6 +176,13 @@ class DeepSeekV3(MoEDecoder, ShapedDecoder):
     """The shared decoder shell over DeepSeek-V3's dense then MoE blocks, with its RoPE table."""
 
     rope_table = staticmethod(rope_table)
+
+    def __init__(self, args: DeepSeekV3Args):
+        super().__init__(args)
+        if args.mtp_depth:  # each module's block is an MoE block, as layer n_layers would be
+            self.mtp = nn.ModuleDict({str(k): MultiTokenPrediction(args.dim, args.norm_eps,
+                                                                   MoEBlock(args))
+                                      for k in range(args.mtp_depth)})  # fmt: skip
 
     @classmethod
     def build_blocks(cls, args: DeepSeekV3Args) -> list[nn.Module]:

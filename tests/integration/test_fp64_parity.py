@@ -71,6 +71,13 @@ REFERENCES = {
     # latent attention (values of their own head size), a dense then an MoE block, sigmoid
     # group-limited routing with shared experts and the balancing bias
     "deepseek": ("--model.name=deepseek_v3", "--model.n_kv_heads=4", "--optimizer.lr=1e-3"),
+    # and one multi-token-prediction module (an MoE block of its own, the shared head)
+    "deepseek_mtp": (
+        "--model.name=deepseek_v3",
+        "--model.n_kv_heads=4",
+        "--optimizer.lr=1e-3",
+        "--model.mtp_depth=1",
+    ),
 }
 LLAMA, QWEN3 = REFERENCES["llama"], REFERENCES["qwen3"]
 GEMMA2, GEMMA3 = REFERENCES["gemma2"], REFERENCES["gemma3"]
@@ -139,9 +146,12 @@ LAYOUTS = table(
     Layout("gemma3_pp2_tp2", 4, (*GEMMA3, "--parallelism.tensor_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2"), "gemma3", FP64),
     # DeepSeek-V3: experts over EP drawn from FSDP; K and V (of two head sizes) gathered in
     # one collective under CP, the dense and MoE blocks on two PP stages; latent attention split
-    # by heads under TP (the shared rotated key's gradient summed over the TP ranks), with EP
-    Layout("deepseek_fsdp2_ep2", 2, (*REFERENCES["deepseek"], "--parallelism.expert_parallel_degree=2", "--training.local_batch_size=4"), "deepseek", FP64),
-    Layout("deepseek_tp2_fsdp2_ep2", 4, (*REFERENCES["deepseek"], "--parallelism.tensor_parallel_degree=2", "--parallelism.expert_parallel_degree=2", "--training.local_batch_size=4"), "deepseek", FP64),
+    # by heads under TP (the shared rotated key's gradient summed over the TP ranks), with EP;
+    # multi-token prediction (its module an FSDP unit, its experts over EP, its norms and
+    # projection on sequence shards under TP, and under CP the label past each chunk)
+    Layout("deepseek_mtp_fsdp2_ep2", 2, (*REFERENCES["deepseek_mtp"], "--parallelism.expert_parallel_degree=2", "--training.local_batch_size=4"), "deepseek_mtp", FP64),
+    Layout("deepseek_mtp_tp2_fsdp2_ep2", 4, (*REFERENCES["deepseek_mtp"], "--parallelism.tensor_parallel_degree=2", "--parallelism.expert_parallel_degree=2", "--training.local_batch_size=4"), "deepseek_mtp", FP64),
+    Layout("deepseek_mtp_cp2", 2, (*REFERENCES["deepseek_mtp"], "--parallelism.context_parallel_degree=2"), "deepseek_mtp", FP64),
     Layout("deepseek_cp2_pp2", 4, (*REFERENCES["deepseek"], "--parallelism.context_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2"), "deepseek", FP64),
     Layout("moe_ep2_pp2_ddp", 4, (*MOE_Z_BIAS, "--parallelism.expert_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2", "--parallelism.zero_stage=0", "--training.local_batch_size=4"), "moe_z_bias", FP64),
 )
@@ -165,6 +175,10 @@ def test_fp64_layout_matches_one_process(runs, name):
     val = by_step(run.folder, "loss", "validation")
     assert sorted(val_ref) == [4, STEPS], f"validation at steps {sorted(val_ref)}"
     worst["validation"] = assert_series(val_ref, val, "validation loss", row.tol.loss)
+    if "--model.mtp_depth=1" in run.args:  # logged apart from the loss
+        mtp_ref, mtp = by_step(ref.folder, "mtp_loss"), by_step(run.folder, "mtp_loss")
+        assert sorted(mtp_ref) == list(range(1, STEPS + 1)), f"mtp_loss at {sorted(mtp_ref)}"
+        worst["mtp"] = assert_series(mtp_ref, mtp, "mtp loss", row.tol.loss)
     if name.startswith(
         ("moe", "gpt_oss", "deepseek")
     ):  # no tie flips: the same tokens per expert at every step

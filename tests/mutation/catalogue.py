@@ -257,7 +257,25 @@ MUTANTS = [
         "models/deepseek_v3/plan.py",
         "key.to_local(grad_placements=[Partial()])",
         "key.to_local()",
-        (f"{FP64_PARITY}[deepseek_tp2_fsdp2_ep2]",),
+        (f"{FP64_PARITY}[deepseek_mtp_tp2_fsdp2_ep2]",),
+    ),
+    Mutant(
+        "mtp_later_labels_cut_per_cp_chunk",
+        "Multi-token prediction under CP: the later labels are cut from the rank's chunks, not "
+        "from the whole sequence, so the label past each chunk is lost",
+        "training/inputs.py",
+        '        kwargs["mtp_labels"] = mtp[:, mine]\n',
+        '        kwargs["mtp_labels"] = later_labels(labels[:, mine], split.mtp_depth)\n',
+        (f"{FP64_PARITY}[deepseek_mtp_cp2]",),
+    ),
+    Mutant(
+        "mtp_projects_hidden_before_embedding",
+        "Multi-token prediction: the projection reads [hidden, embedding] instead of DeepSeek's "
+        "[embedding, hidden]",
+        "models/mtp.py",
+        "torch.cat([self.enorm(embedded), self.hnorm(hidden)], -1)",
+        "torch.cat([self.hnorm(hidden), self.enorm(embedded)], -1)",
+        ("tests/unit/test_deepseek_v3.py::test_prediction_module_matches_transformers",),
     ),
     Mutant(
         "moe_sigmoid_balance_unnormalised",

@@ -153,8 +153,8 @@ def test_names_and_config_round_trip():
     with torch.device("meta"):
         names = list(DeepSeekV3(args).state_dict())
     plain = [n for n in names if ".moe.experts." not in n]
-    assert all(from_hf_name(to_hf_name(n)) == n for n in plain)
-    assert len({to_hf_name(n) for n in plain}) == len(plain)
+    assert all(from_hf_name(to_hf_name(n, args), args) == n for n in plain)
+    assert len({to_hf_name(n, args) for n in plain}) == len(plain)
     config = config_with_dtype(args, torch.bfloat16)
     again = transformers.DeepseekV3Config(**config)
     assert args_from_hf_config(again.to_dict()) == args
@@ -187,9 +187,141 @@ def test_import_drops_the_prediction_layer_and_refuses_fp8():
 def test_the_published_config_gives_the_published_flavor():
     """transformers' default DeepseekV3Config is the published 671B's: it reads as our 671B
     flavor but for what that config leaves out (YaRN: its default RoPE is unscaled; the
-    context it states)."""
+    context it states) and its one multi-token-prediction layer."""
     from models.deepseek_v3 import flavors
 
     got = args_from_hf_config(transformers.DeepseekV3Config().to_dict())
-    want = dataclasses.replace(flavors["671B"], rope_factor=1.0, max_seq_len=4096)
+    want = dataclasses.replace(flavors["671B"], rope_factor=1.0, max_seq_len=4096, mtp_depth=1)
     assert got == want
+
+
+# ------------------------------------------------------------------ multi-token prediction
+def _with_prediction(hf, ours):
+    """transformers' multi-token-prediction model on `hf` (one module, random weights as
+    `_pair`'s) and ours with depth 1 holding the same weights, through the family's import
+    of the published checkpoint's names (module 0 as layer n_layers)."""
+    from transformers.modeling_layers import MtpModel
+
+    torch.manual_seed(1)
+    ref = MtpModel(hf, 1).double().eval()
+    with torch.no_grad():
+        for name, p in ref.layers.named_parameters():
+            norm = 0.2 * (1 + 0.2 * torch.randn_like(p))
+            p.copy_(norm if "norm" in name else 0.5 * torch.randn_like(p))
+    n = ours.args.n_layers
+    published = {}
+    for name, t in ref.layers.state_dict().items():  # "0.mtp_block.self_attn...", "0.enorm..."
+        k, rest = name.split(".", 1)
+        rest = rest.removeprefix("mtp_block.").replace("post_norm.", "shared_head.norm.")
+        published[f"model.layers.{n + int(k)}.{rest}"] = t
+    published["model.layers.3.embed_tokens.weight"] = hf.model.embed_tokens.weight  # dropped
+    args = dataclasses.replace(ours.args, mtp_depth=1)
+    with_mtp = DeepSeekV3(args).double().eval()
+    with_mtp.init_buffers("cpu")
+    with_mtp.load_state_dict(from_hf({**dict(hf.state_dict()), **published}, args))
+    return ref, with_mtp
+
+
+def _prediction_logits(model, tokens, next_tokens):
+    """Our module 0's logits at every position, from the model's final normed hidden state."""
+    hidden = {}
+    handle = model.norm.register_forward_hook(lambda m, i, out: hidden.setdefault("h", out))
+    main = model(tokens)
+    handle.remove()
+    out = model.mtp["0"](hidden["h"], model.tok_embeddings(next_tokens), model.rope, None)
+    return main, model.output(out)
+
+
+def test_prediction_module_matches_transformers():
+    """Module 0 computes transformers' MtpModel (DeepSeek-V3's layer 61: both norms, the
+    projection of [embedding, hidden], an MoE block, the final norm, the shared head) from the
+    main model's last hidden state and the next tokens, to float32 rounding."""
+    hf, ours = _pair()
+    ref, ours = _with_prediction(hf, ours)
+    tokens, next_tokens = TOKENS[:, :-1], TOKENS[:, 1:]
+    with torch.no_grad():
+        main, got = _prediction_logits(ours, tokens, next_tokens)
+        last = hf.model(tokens).last_hidden_state
+        positions = torch.arange(tokens.shape[1]).expand(tokens.shape[0], -1)
+        state = ref.forward_layer(0, last, positions, None, input_ids=next_tokens)
+        want = ref._project_to_logits(state)
+    torch.testing.assert_close(main, hf(tokens).logits, rtol=0, atol=LOGITS_TOL)
+    torch.testing.assert_close(got, want, rtol=0, atol=LOGITS_TOL)
+    assert (got - main).abs().max() > 1e-2  # a prediction of its own
+
+
+def test_prediction_losses_train_with_the_main_one():
+    """In training, with the labels of later positions (`later_labels`), the main logits are
+    unchanged (to float64 rounding); each module's loss is its logits' token-loss sum over the step's token count
+    (what the trainer logs), and the gradients are those of main + weight x that loss."""
+    from models import mtp
+    from training.inputs import later_labels
+    from training.loss import StepLoss, cross_entropy_sum
+
+    hf, ours = _pair()
+    _, ours = _with_prediction(hf, ours)
+    ours.train()
+    tokens, labels = TOKENS[:, :-1], TOKENS[:, 1:]
+    step_loss = StepLoss(cross_entropy_sum)
+    step_loss.per_rank_tokens = float(labels.numel())
+    mtp.set_loss([ours], step_loss, 0.25)
+    logits = ours(tokens, mtp_labels=later_labels(labels, 1))
+    step_loss(logits, labels).backward()
+    logged = mtp.take_logged_losses([ours])
+    got = {n: p.grad.clone() for n, p in ours.named_parameters()}
+    assert mtp.take_logged_losses([ours]) is None  # read once
+
+    ours.zero_grad()
+    main, predicted = _prediction_logits(ours, tokens, labels)  # eval path: no losses attached
+    # (one output matmul over the main and predicted states sums in another order: 1e-15)
+    torch.testing.assert_close(logits.detach(), main.detach(), rtol=0, atol=1e-12)
+    targets = later_labels(labels, 1)[..., 1]
+    assert (targets[:, -1] == -100).all() and torch.equal(targets[:, :-1], labels[:, 1:])
+    loss = step_loss(predicted, targets)
+    torch.testing.assert_close(logged, loss.detach(), rtol=1e-12, atol=0)
+    (step_loss(main, labels) + 0.25 * loss).backward()
+    assert got.keys() == {n for n, _ in ours.named_parameters()}
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, rtol=1e-9, atol=1e-12, msg=name)
+    assert got["mtp.0.eh_proj.weight"].abs().max() > 0
+
+
+def test_prediction_layers_convert_both_ways():
+    """Module k is layer n_layers + k in Hugging Face's names (as DeepSeek publishes it) and
+    `num_nextn_predict_layers` in config.json; an import keeps only the depth asked for."""
+    from models.deepseek_v3 import flavors
+
+    args = dataclasses.replace(flavors["debugmodel"], mtp_depth=2)
+    with torch.device("meta"):
+        names = list(DeepSeekV3(args).state_dict())
+    plain = [n for n in names if ".moe.experts." not in n]
+    hf_names = {to_hf_name(n, args) for n in plain}
+    assert all(from_hf_name(to_hf_name(n, args), args) == n for n in plain)
+    assert len(hf_names) == len(plain)
+    assert {"model.layers.4.enorm.weight", "model.layers.5.shared_head.norm.weight",
+            "model.layers.5.self_attn.kv_b_proj.weight"} <= hf_names  # fmt: skip
+    assert args_from_hf_config(config_with_dtype(args, torch.float32)) == args
+    sd = {n: torch.zeros(1) for n in hf_names}
+    one = dataclasses.replace(args, mtp_depth=1)
+    assert not any(n.startswith("mtp.1.") for n in from_hf(sd, one))
+
+
+@pytest.mark.parametrize(
+    ("argv", "world", "message"),
+    [
+        (["--model.mtp_depth", "1"], 1, "has no mtp_depth .*set by model.mtp_depth"),
+        (["--model.mtp_loss_weight", "0.1"], 1, "has no mtp_loss_weight"),
+        (["--model.name", "deepseek_v3", "--model.mtp_depth", "1",
+          "--parallelism.pipeline_parallel_degree", "2"], 2,
+         "model.mtp_depth = 1 with parallelism.pipeline_parallel_degree = 2"),
+    ],
+)  # fmt: skip
+def test_prediction_options_are_refused_where_they_cannot_work(argv, world, message):
+    """On a family without multi-token prediction (Llama 3) its options would be ignored, and
+    a pipeline split cannot run it yet: both refused before any process group."""
+    from job_config import ConfigError, parse_args
+    from training.preflight import check_config
+
+    cfg = parse_args(["--training.device", "cpu", *argv])
+    with pytest.raises((ConfigError, ValueError), match=message):
+        check_config(cfg, world)

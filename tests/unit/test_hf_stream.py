@@ -22,7 +22,8 @@ from checkpoint.hf_write import stream_dcp_to_hf
 from checkpoint.storage import CheckpointError
 from models import get_model_spec
 
-FAMILIES = ["llama3", "qwen3", "qwen3_moe", "gemma2", "gemma3", "gpt_oss", "deepseek_v3"]
+FAMILIES = ["llama3", "qwen3", "qwen3_moe", "gemma2", "gemma3", "gpt_oss", "deepseek_v3",
+            "deepseek_v3+mtp"]  # fmt: skip
 
 
 def random_state(spec, args, seed=0) -> dict[str, torch.Tensor]:
@@ -39,8 +40,11 @@ def random_state(spec, args, seed=0) -> dict[str, torch.Tensor]:
 
 
 def family(name):
+    """(spec, debugmodel args); "+mtp": with a multi-token-prediction module."""
+    name, _, extra = name.partition("+")
     spec = get_model_spec(name)
-    return spec, spec.flavors["debugmodel"]
+    args = spec.flavors["debugmodel"]
+    return spec, dataclasses.replace(args, mtp_depth=1) if extra == "mtp" else args
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -79,7 +83,7 @@ def test_any_slice_reads_as_the_same_slice_of_the_whole_import(tmp_path, name):
     files.close()
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["llama3", "qwen3_moe", "deepseek_v3+mtp"])
 def test_streamed_round_trip_is_exact(tmp_path, name):
     """HF -> DCP -> HF with the streaming converters, several output files: bit for bit."""
     from checkpoint.hf import read_dcp_model, read_hf_weights

@@ -47,6 +47,7 @@ from option_probes import (
     moe_coefficients,
     no_decay_names,
     optimizer,
+    prediction,
     resumed,
     runtime,
     save_sleeps,
@@ -96,6 +97,7 @@ VAL = (
     "{docs}",
 )
 MOE = ("--model.name", "qwen3_moe", "--model.flavor", "debugmodel")
+DEEPSEEK = ("--model.name", "deepseek_v3", "--model.n_kv_heads", "4")
 # a mixture of docs alone (no dataset or dataset_path beside a mixture)
 ONE_SOURCE_MIX = ("--training.dataset", "sample", "--training.dataset_path", "",
                   "--training.mixture", '["jsonl:{docs}:1"]')  # fmt: skip
@@ -124,6 +126,10 @@ EFFECTS: dict[str, Effect] = {
     ),
     "model.rope_scaling": Effect(
         "llama3", lambda c: round(model(c).rope.float().abs().sum().item(), 3)
+    ),
+    "model.mtp_depth": Effect("2", prediction, (2, [0.15, 0.15], True), DEEPSEEK),
+    "model.mtp_loss_weight": Effect(
+        "0.5", prediction, (1, [0.5], True), (*DEEPSEEK, "--model.mtp_depth", "1")
     ),
     # [moe]
     "moe.aux_loss_coeff": Effect("0.5", moe_coefficients, (0.5, 0.0, 0.0), MOE),

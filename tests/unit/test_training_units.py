@@ -249,6 +249,7 @@ def test_log_window_record_averages_the_steps_since_the_last_log(tmp_path):
         phases=PhaseTimer(torch.device("cpu")),
         metrics=metrics,
         window=LogWindow(),
+        mtp_loss=None,
     )
     run.window.add(3.0, 0.5)
     run.window.add(1.0, 0.25)
