@@ -152,6 +152,7 @@ LAYOUTS = table(
     Layout("deepseek_mtp_fsdp2_ep2", 2, (*REFERENCES["deepseek_mtp"], "--parallelism.expert_parallel_degree=2", "--training.local_batch_size=4"), "deepseek_mtp", FP64),
     Layout("deepseek_mtp_tp2_fsdp2_ep2", 4, (*REFERENCES["deepseek_mtp"], "--parallelism.tensor_parallel_degree=2", "--parallelism.expert_parallel_degree=2", "--training.local_batch_size=4"), "deepseek_mtp", FP64),
     Layout("deepseek_mtp_cp2", 2, (*REFERENCES["deepseek_mtp"], "--parallelism.context_parallel_degree=2"), "deepseek_mtp", FP64),
+    Layout("deepseek_mtp_ulysses_cp2_ep2", 2, (*REFERENCES["deepseek_mtp"], *ULYSSES, "--parallelism.context_parallel_degree=2", "--parallelism.expert_parallel_degree=2"), "deepseek_mtp", FP64),
     Layout("deepseek_cp2_pp2", 4, (*REFERENCES["deepseek"], "--parallelism.context_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2"), "deepseek", FP64),
     Layout("moe_ep2_pp2_ddp", 4, (*MOE_Z_BIAS, "--parallelism.expert_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2", "--parallelism.zero_stage=0", "--training.local_batch_size=4"), "moe_z_bias", FP64),
 )
