@@ -25,6 +25,7 @@ from torch.utils.checkpoint import (
 )
 
 import models.block_attention  # noqa: F401  (registers torch.ops.meshtrain.block_attention)
+from models import mtp
 
 _aten = torch.ops.aten
 _SAVE_OP_NAMES = (
@@ -93,7 +94,8 @@ def _wrap(block: nn.Module, per_op: bool) -> nn.Module:
 
 
 def apply_ac(model: nn.Module, mode: str, selective_ac_option: str = "2") -> nn.Module:
-    """Wraps `model.layers` entries in place (keys unchanged) according to `mode`."""
+    """Wraps `model.layers` entries in place (keys unchanged) according to `mode`, and the
+    blocks of multi-token-prediction modules as the layers after them."""
     if mode == "none":
         return model
     if mode not in ("full", "selective"):
@@ -109,4 +111,8 @@ def apply_ac(model: nn.Module, mode: str, selective_ac_option: str = "2") -> nn.
         index = int(name) if name.isdigit() else i
         if (index + 1) % every == 0:
             model.layers[name] = _wrap(block, per_op)
+    # multi-token-prediction modules (models/mtp.py; no PP): module k's block as layer n + k
+    for k, module in enumerate(mtp.modules(model)):
+        if (len(model.layers) + k + 1) % every == 0:
+            module.block = _wrap(module.block, per_op)
     return model

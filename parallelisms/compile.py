@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
+from models import mtp
 from parallelisms.parallel_dims import ParallelDims
 
 
@@ -155,11 +156,12 @@ def inductor_in_turns(gm: fx.GraphModule, example_inputs):
 
 
 def apply_compile(model: nn.Module, part: str | None = None) -> nn.Module:
-    """Compiles the forward of every entry of `model.layers` (`fullgraph`: a graph break is
+    """Compiles the forward of every entry of `model.layers` and of every multi-token-prediction
+    module's block (`fullgraph`: a graph break is
     an error, not a silent slowdown); with `part`, of that submodule of every block instead
     (a family whose blocks hold data-dependent code, such as MoE routing, compiles the rest)."""
     _fix_rng_state_order()
-    for block in model.layers.values():
+    for block in [*model.layers.values(), *mtp.blocks(model).values()]:
         target = getattr(block, part) if part else block
         target.forward = torch.compile(target.forward, fullgraph=True, backend=inductor_in_turns)
         target.register_forward_pre_hook(_own_input)

@@ -147,9 +147,10 @@ LAYOUTS = table(
     # DeepSeek-V3: experts over EP drawn from FSDP; K and V (of two head sizes) gathered in
     # one collective under CP, the dense and MoE blocks on two PP stages; latent attention split
     # by heads under TP (the shared rotated key's gradient summed over the TP ranks), with EP;
-    # multi-token prediction (its module an FSDP unit, its experts over EP, its norms and
+    # multi-token prediction (its module an FSDP unit, its block checkpointed under full AC,
+    # its experts over EP, its norms and
     # projection on sequence shards under TP, and under CP the label past each chunk)
-    Layout("deepseek_mtp_fsdp2_ep2", 2, (*REFERENCES["deepseek_mtp"], "--parallelism.expert_parallel_degree=2", "--training.local_batch_size=4"), "deepseek_mtp", FP64),
+    Layout("deepseek_mtp_fsdp2_ep2_ac_full", 2, (*REFERENCES["deepseek_mtp"], "--parallelism.expert_parallel_degree=2", "--training.local_batch_size=4", "--activation_checkpoint.mode=full"), "deepseek_mtp", FP64),
     Layout("deepseek_mtp_tp2_fsdp2_ep2", 4, (*REFERENCES["deepseek_mtp"], "--parallelism.tensor_parallel_degree=2", "--parallelism.expert_parallel_degree=2", "--training.local_batch_size=4"), "deepseek_mtp", FP64),
     Layout("deepseek_mtp_cp2", 2, (*REFERENCES["deepseek_mtp"], "--parallelism.context_parallel_degree=2"), "deepseek_mtp", FP64),
     Layout("deepseek_mtp_ulysses_cp2_ep2", 2, (*REFERENCES["deepseek_mtp"], *ULYSSES, "--parallelism.context_parallel_degree=2", "--parallelism.expert_parallel_degree=2"), "deepseek_mtp", FP64),
