@@ -24,7 +24,7 @@ from job_config.loader import parse_args
 from job_config.problems import ConfigError, Problems
 from job_config.schema import JobConfig
 from job_config.unused import report_unused
-from models import get_model_spec, import_families, meta_model_for, model_args_for
+from models import get_model_spec, import_families, meta_model_for, model_args_for, mtp
 from parallelisms.parallel_dims import ParallelDims, ParallelismError
 from parallelisms.pipeline import validate_pipeline_config
 from training.distributed import device_type
@@ -189,13 +189,17 @@ class ParamCounts:
     non_embedding: int
     active: int | None = None
     active_non_embedding: int | None = None
+    # the output head's parameters again for each multi-token-prediction depth (models/mtp.py)
+    head_reuse: int | None = None
 
     @property
     def flops_params(self) -> int:
-        """The non-embedding parameters a token uses: what the FLOPs per token count."""
-        return (
+        """The non-embedding parameters a token uses, each as often as it multiplies: what the
+        FLOPs per token count."""
+        used = (
             self.non_embedding if self.active_non_embedding is None else self.active_non_embedding
         )
+        return used + (self.head_reuse or 0)
 
     def as_dict(self) -> dict[str, int]:
         return {key: value for key, value in asdict(self).items() if value is not None}
@@ -217,10 +221,13 @@ def param_counts(spec, model) -> ParamCounts:
 
     n = count_params(model)
     n_no_emb = count_params(model, spec.embeddings)
+    depth = len(mtp.modules(model))
+    head = getattr(model, spec.head[-1], None)
+    reuse = depth * sum(p.numel() for p in head.parameters()) if depth and head else None
     if spec.routing is None:
-        return ParamCounts(n, n_no_emb)
+        return ParamCounts(n, n_no_emb, head_reuse=reuse)
     active_no_emb = spec.routing.active_params(model)
-    return ParamCounts(n, n_no_emb, active_no_emb + n - n_no_emb, active_no_emb)
+    return ParamCounts(n, n_no_emb, active_no_emb + n - n_no_emb, active_no_emb, reuse)
 
 
 def dry_run(cfg: JobConfig) -> None:

@@ -325,3 +325,18 @@ def test_prediction_options_are_refused_where_they_cannot_work(argv, world, mess
     cfg = parse_args(["--training.device", "cpu", *argv])
     with pytest.raises((ConfigError, ValueError), match=message):
         check_config(cfg, world)
+
+
+def test_prediction_counts_its_parameters_and_the_heads_second_use():
+    """The 671B with DeepSeek's one module: 11.6B more parameters (its MoE block, projection and
+    norms; the embeddings and head are shared), and its FLOPs count the output head twice."""
+    from models.deepseek_v3 import SPEC, flavors
+    from training.preflight import param_counts
+
+    with torch.device("meta"):
+        plain = param_counts(SPEC, DeepSeekV3(flavors["671B"]))
+        model = DeepSeekV3(dataclasses.replace(flavors["671B"], mtp_depth=1))
+        counts = param_counts(SPEC, model)
+    assert counts.total - plain.total == 11_610_067_968
+    assert plain.head_reuse is None and counts.head_reuse == 7168 * 129280
+    assert counts.flops_params == counts.active_non_embedding + 7168 * 129280
