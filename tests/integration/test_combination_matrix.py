@@ -60,9 +60,12 @@ ROWS = {f"row{i:02d}": row for i, row in enumerate(DESIGN.rows)}
 # bf16 compute against the one-process bf16 run (autocast there, FSDP's / ZeRO's bf16 copies of
 # the weights in the rows), measured worst over three designs (seed 23 twice, seed 7; see
 # docs/combination_matrix.md): over the 4 steps loss 3.6e-4, grad norm 5.5e-3; at step 1, before
-# any update amplifies the rounding, loss 1.5e-5, grad norm 8.8e-4. Kept at about 4-7x.
+# any update amplifies the rounding, loss 1.5e-5, grad norm 8.8e-4. Kept at about 4-7x. Those
+# were AVX-512 machines; on an AVX2-only AMD EPYC (2026-12-07, seed 31's design, twice, the
+# same value) row 0 (gpt-oss, HSDP, per-op AC, compiled loss, CPU offload) is 4.3e-3 off at
+# step 1 (bf16 matmuls there round through another kernel): the step-1 grad norm kept at 2.3x.
 BF16 = Tolerance(loss=2e-3, grad_norm=2e-2, weights=0.0, weights_norm=0.0)
-BF16_STEP1 = Tolerance(loss=1e-4, grad_norm=4e-3, weights=0.0, weights_norm=0.0)
+BF16_STEP1 = Tolerance(loss=1e-4, grad_norm=1e-2, weights=0.0, weights_norm=0.0)
 
 
 def tolerance(row: Row) -> Tolerance:
