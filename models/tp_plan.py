@@ -83,6 +83,19 @@ class TPPlan:
     block: dict[str, ParallelStyle | str] = field(default_factory=dict)
 
 
+def multi_token_prediction_plan() -> dict[str, ParallelStyle]:
+    """Root entries for multi-token-prediction modules (models/mtp.py; their blocks take the
+    block plan): the norms and the projection of the two inputs run on sequence shards with
+    replicated weights, and each module's output joins the main hidden state on its way to
+    `output`."""
+    return {
+        "mtp.*.enorm": SequenceParallel(),
+        "mtp.*.hnorm": SequenceParallel(),
+        "mtp.*.eh_proj": SequenceParallel(use_local_output=True),
+        "mtp.*.norm": SequenceParallel(),
+    }
+
+
 def decoder_tp_plan(
     loss_parallel: bool, *, qk_norms: bool = False, post_norms: bool = False, sinks: bool = False
 ):
@@ -111,13 +124,7 @@ def decoder_tp_plan(
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,
         ),
-        # multi-token prediction (models/mtp.py; its blocks take `block`): the norms and the
-        # projection of the two inputs run on sequence shards with replicated weights, and
-        # the module's output joins the main hidden state on its way to `output`
-        "mtp.*.enorm": SequenceParallel(),
-        "mtp.*.hnorm": SequenceParallel(),
-        "mtp.*.eh_proj": SequenceParallel(use_local_output=True),
-        "mtp.*.norm": SequenceParallel(),
+        **multi_token_prediction_plan(),
     }
     block = {
         "attention_norm": SequenceParallel(),
