@@ -228,9 +228,14 @@ def _write_cache(path: str, key: str, entry: dict) -> None:
 
 
 def _measured_peak(
-    device: torch.device, dtype: torch.dtype, cache_dir: str | None, description: str
+    device: torch.device,
+    dtype: torch.dtype,
+    cache_dir: str | None,
+    description: str,
+    refresh: bool = True,
 ) -> tuple[float, str]:
-    """Measured (optionally cached) peak for a device that has no datasheet entry."""
+    """Measured (optionally cached) peak for a device that has no datasheet entry; a cached
+    CPU rate is re-measured only with `refresh`."""
     key = f"{description}|{_dtype_name(dtype)}|torch={torch.__version__}"
     path = os.path.join(cache_dir, CACHE_FILE_NAME) if cache_dir else None
     cached = 0.0
@@ -238,7 +243,7 @@ def _measured_peak(
         entry = _read_cache(path).get(key)
         if isinstance(entry, dict) and isinstance(entry.get("flops"), (int, float)):
             cached = float(entry["flops"])
-            if device.type != "cpu":
+            if device.type != "cpu" or not refresh:
                 return cached, f"cached measurement from {path} [{key}]"
 
     if device.type == "cpu" and cached > 0:
@@ -269,7 +274,7 @@ def _measured_peak(
 
 
 def device_peak_flops(
-    device: torch.device, dtype: torch.dtype, cache_dir: str | None = None
+    device: torch.device, dtype: torch.dtype, cache_dir: str | None = None, refresh: bool = True
 ) -> tuple[float, str]:
     """Return ``(peak FLOP/s, source description)`` for matmuls in ``dtype`` on ``device``.
 
@@ -277,7 +282,9 @@ def device_peak_flops(
     get a measured matmul rate and a warning (measured rates are below datasheet peaks,
     so MFU against them reads high). CPU: a short matmul calibration (< ~2 s), cached in
     ``<cache_dir>/peak_flops_cache.json`` keyed by CPU model, thread count, dtype and
-    torch version; later runs re-measure one 1024 matmul and keep the best rate seen.
+    torch version; later runs re-measure one 1024 matmul and keep the best rate seen, only
+    with ``refresh`` (the trainer: local rank 0; the host's other ranks take the cache,
+    rather than measuring at once on the cores they share).
     Measuring allocates device memory; reset peak-memory stats afterwards.
     """
     device = torch.device(device)
@@ -297,6 +304,6 @@ def device_peak_flops(
         return _measured_peak(device, dtype, cache_dir, f"gpu={name}|tf32={allow_tf32}")
     if device.type == "cpu":
         description = f"cpu={cpu_model_name()}|threads={torch.get_num_threads()}"
-        return _measured_peak(device, dtype, cache_dir, description)
+        return _measured_peak(device, dtype, cache_dir, description, refresh)
     logger.warning("no datasheet peaks for device type %r; measuring a matmul", device.type)
     return _measured_peak(device, dtype, cache_dir, f"device={device.type}")

@@ -159,9 +159,10 @@ def build_model(cfg, spec, parallel_dims, model_args, device, loss_fn, rank):
     return built, counts, attention
 
 
-def model_rates(cfg, model_args, counts, device, batches, dp_degree, attention=None):
+def model_rates(cfg, model_args, counts, device, batches, dp_degree, attention=None, local_rank=0):
     """(FLOPs per token, device peak FLOP/s) for the MFU, logged with the model's size and
-    the batch; `attention`: each layer's spec (None: all plain causal)."""
+    the batch; `attention`: each layer's spec (None: all plain causal). A CPU's cached peak
+    is re-measured by local rank 0 alone."""
     t = cfg.training
     fpt = flops_per_token(
         counts.flops_params,
@@ -172,7 +173,9 @@ def model_rates(cfg, model_args, counts, device, batches, dp_degree, attention=N
         attention,
     )
     compute_dtype = mixed_precision_dtypes(t, device.type)[0]
-    peak, peak_src = device_peak_flops(device, compute_dtype, default_cache_dir())
+    peak, peak_src = device_peak_flops(
+        device, compute_dtype, default_cache_dir(), refresh=local_rank == 0
+    )
     logger.info(
         "model %s %s: %s parameters, %.2f GFLOP/token; global batch %d sequences "
         "(%d x %d DP ranks x %d accumulation steps); peak %.1f TFLOP/s (%s)",
@@ -375,7 +378,9 @@ def build_run(cfg: JobConfig, parallel_dims: ParallelDims, *, rank: int, local_r
     built, counts, attention = build_model(
         cfg, spec, parallel_dims, model_args, device, step_loss, rank
     )
-    fpt, peak = model_rates(cfg, model_args, counts, device, batches, dp_degree, attention)
+    fpt, peak = model_rates(
+        cfg, model_args, counts, device, batches, dp_degree, attention, local_rank
+    )
     warn_if_warmup_too_long(cfg)
     train_loader, val_loader = build_loaders(cfg, tokenizer, dp_rank, dp_degree, dp_group)
     model_parts = built.parts

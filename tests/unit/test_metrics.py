@@ -182,6 +182,19 @@ def test_cpu_cache_keeps_the_best_rate_seen(tmp_path, monkeypatch) -> None:
     assert entry["flops"] == 2e11
 
 
+def test_cpu_cache_is_refreshed_only_where_asked(tmp_path, monkeypatch) -> None:
+    """A host's other ranks (refresh=False) take the cached rate without measuring; with no
+    cache they still calibrate."""
+    rates = iter([1e11, 3e11])
+    monkeypatch.setattr(peak_flops_module, "_calibrate_cpu", lambda dtype: (next(rates), 256))
+    monkeypatch.setattr(peak_flops_module, "measure_matmul_flops", lambda *a, **k: next(rates))
+    cpu, cache = torch.device("cpu"), str(tmp_path)
+    assert device_peak_flops(cpu, torch.float32, cache, refresh=False)[0] == 1e11
+    peak, source = device_peak_flops(cpu, torch.float32, cache, refresh=False)
+    assert peak == 1e11 and source.startswith("cached measurement"), source
+    assert device_peak_flops(cpu, torch.float32, cache)[0] == 3e11  # refresh: measures
+
+
 def test_cpu_cache_key_depends_on_cpu_model(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(peak_flops_module, "_CPU_MAX_SIZE", 256)
     cpu = torch.device("cpu")
