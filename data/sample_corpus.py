@@ -19,6 +19,7 @@ so any number of concurrent ranks may call these functions.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -71,7 +72,8 @@ def ensure_sample_tokenizer(
     return str(target)
 
 
-def _select_stdlib_files(stdlib: Path) -> list[tuple[str, int]]:
+@functools.cache  # one walk of the stdlib per process (the tokenizer and the loader both ask)
+def _select_stdlib_files(stdlib: Path) -> tuple[tuple[str, int], ...]:
     """Pick a deterministic (hash-ordered) subset of stdlib sources: (relative path, size)."""
     candidates = []
     for folder, dirs, names in os.walk(stdlib):
@@ -89,17 +91,17 @@ def _select_stdlib_files(stdlib: Path) -> list[tuple[str, int]]:
             break
         chosen.append((rel, size))
         total += size
-    return chosen
+    return tuple(chosen)
 
 
-def _corpus_folder(cache_dir: str | None, files: list[tuple[str, int]]) -> Path:
+def _corpus_folder(cache_dir: str | None, files: tuple[tuple[str, int], ...]) -> Path:
     """Cache folder named by a hash of the Python version and the chosen files."""
     identity = json.dumps([list(sys.version_info[:3]), files])
     key = hashlib.sha256(identity.encode()).hexdigest()[:16]
     return Path(cache_dir or default_cache_dir()) / "sample_corpus" / key
 
 
-def _documents(stdlib: Path, files: list[tuple[str, int]]) -> list[tuple[str, str]]:
+def _documents(stdlib: Path, files: tuple[tuple[str, int], ...]) -> list[tuple[str, str]]:
     """All (source name, text) documents in their deterministic hash order."""
     import pydoc_data.topics  # only needed while building
 
@@ -112,7 +114,7 @@ def _documents(stdlib: Path, files: list[tuple[str, int]]) -> list[tuple[str, st
     return docs
 
 
-def _write_corpus(stdlib: Path, files: list[tuple[str, int]], val_tmp: Path, train_tmp: Path):
+def _write_corpus(stdlib: Path, files: tuple[tuple[str, int], ...], val_tmp: Path, train_tmp: Path):
     """Write the documents to the two JSONL files, ~1% of characters going to validation."""
     seen_chars = val_chars = 0
     with (
