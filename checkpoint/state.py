@@ -142,6 +142,17 @@ def build_state(
     return sd
 
 
+def load_schedule(lr_scheduler, optimizer, state: dict) -> None:
+    """The schedule's position from `state`; its per-group lists stay this rank's own: the
+    saved copy is one rank's, and ranks of different pipeline stages can hold different
+    param groups (Muon's matrices and AdamW's vectors are split by what each stage has). The
+    last LR is each group's restored one (what the next step uses)."""
+    per_group = ("base_lrs", "_last_lr")
+    lr_scheduler.load_state_dict({k: v for k, v in state.items() if k not in per_group})
+    opt = _optimizers(optimizer)[0] if optimizer is not None else lr_scheduler.optimizer
+    lr_scheduler._last_lr = [g["lr"] for g in opt.param_groups]
+
+
 def apply_state(
     sd: dict,
     *,
@@ -160,7 +171,7 @@ def apply_state(
             model, _optimizers(optimizer), sd["optimizer"], options=OPTIM_OPTIONS
         )
     if "lr_scheduler" in sd:
-        lr_scheduler.load_state_dict(sd["lr_scheduler"])
+        load_schedule(lr_scheduler, optimizer, sd["lr_scheduler"])
     if "dataloader" in sd:
         dataloader.load_state_dict(pickle.loads(sd["dataloader"]["state"]))
     if "train_state" in sd:

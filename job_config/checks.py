@@ -118,6 +118,11 @@ def validate(cfg: JobConfig) -> None:
             f"checkpoint.hf_export_interval = {cfg.checkpoint.hf_export_interval}: use 0 (the "
             "last step only) or a positive number of steps."
         )
+    if len(cfg.optimizer.muon_ns_coefficients) != 3:
+        problems.add(
+            f"optimizer.muon_ns_coefficients = {cfg.optimizer.muon_ns_coefficients}: give the "
+            "three coefficients (a, b, c) of the quintic Newton-Schulz iteration."
+        )
     cp = cfg.parallelism.context_parallel_degree
     if cp > 1 and cfg.training.seq_len % (2 * cp):
         problems.add(

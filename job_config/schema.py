@@ -105,7 +105,11 @@ class MoE:
 
 @dataclass
 class Optimizer:
-    name: Literal["AdamW", "Adam"] = opt("AdamW", "Optimizer")
+    name: Literal["AdamW", "Adam", "Muon"] = opt(
+        "AdamW",
+        "Optimizer. Muon: Muon on the hidden matrices, AdamW (lr, betas, eps, weight decay "
+        "below) on embeddings, the output layer, norms and biases (docs/muon.md)",
+    )
     lr: float = opt(8e-4, "Peak learning rate", gt=0)
     beta1: float = opt(0.9, "Adam beta1", ge=0, le=1)
     beta2: float = opt(0.95, "Adam beta2", ge=0, le=1)
@@ -118,6 +122,21 @@ class Optimizer:
     )
     implementation: Literal["auto", "fused", "foreach", "for-loop"] = opt(
         "auto", "AdamW kernel: auto = fused where torch has the kernel (CUDA, CPU), else foreach"
+    )
+    muon_lr: float | None = opt(None, "Muon's peak learning rate (None = optimizer.lr)", gt=0)
+    muon_momentum: float = opt(0.95, "Muon's momentum (torch.optim.Muon's lerp form)", ge=0, le=1)
+    muon_nesterov: bool = opt(True, "Muon: Nesterov momentum")
+    muon_ns_steps: int = opt(5, "Muon: Newton-Schulz iterations", ge=1, le=99)
+    muon_ns_coefficients: list[float] = opt(
+        [3.4445, -4.7750, 2.0315], "Muon: the quintic Newton-Schulz coefficients (a, b, c)"
+    )
+    muon_update_scale: Literal["match_rms_adamw", "original"] = opt(
+        "match_rms_adamw",
+        "Muon's per-matrix LR factor: match_rms_adamw 0.2 sqrt(max(rows, cols)) (AdamW's lr "
+        "and weight decay carry over), original sqrt(max(1, rows / cols))",
+    )
+    muon_ns_dtype: Literal["bfloat16", "float32", "param"] = opt(
+        "bfloat16", "Muon: the Newton-Schulz dtype (param = the weight's, float64 in parity mode)"
     )
 
 

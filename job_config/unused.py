@@ -209,6 +209,10 @@ def _optimizer_rules(cfg: JobConfig) -> list[_Rule]:
          "optimizer.name", "optimizer.name = 'Adam' (no weight decay)", "use 'AdamW'"),
         (opt.name == "AdamW" and opt.weight_decay == 0, "optimizer.no_decay_patterns",
          "optimizer.weight_decay", "optimizer.weight_decay = 0", "set a weight decay"),
+        (opt.name != "Muon", "optimizer.muon_lr optimizer.muon_momentum "
+         "optimizer.muon_nesterov optimizer.muon_ns_steps optimizer.muon_ns_coefficients "
+         "optimizer.muon_update_scale optimizer.muon_ns_dtype", "optimizer.name",
+         f"optimizer.name = '{opt.name}'", "set optimizer.name = 'Muon'"),
     ]
     # fmt: on
 

@@ -111,6 +111,19 @@ class RoutingHooks:
 
 
 @dataclass(frozen=True)
+class MatrixLayout:
+    """How the Muon optimizer reads a stored weight [..., a, b] that is not one [out, in]
+    matrix (or a stack of them along the leading dims, experts).
+
+    `interleaved`: the last dim holds this many logical matrices with their columns
+    interleaved (column j belongs to matrix j mod interleaved); each is orthogonalised alone.
+    `rows_last`: stored [in, out] (used as x @ W): for the update scale rows and cols swap."""
+
+    interleaved: int = 1
+    rows_last: bool = False
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     name: str
     model_cls: type
@@ -132,6 +145,8 @@ class ModelSpec:
     compile_module: str = ""
     # args fields the checkpoint's RoPE and norm functions depend on (a resume compares them).
     function_args: tuple[str, ...] = ()
+    # Muon: parameter-name suffix -> MatrixLayout, for weights not stored as [out, in] matrices
+    matrix_layouts: dict[str, MatrixLayout] = dataclasses.field(default_factory=dict)
 
 
 MODELS: dict[str, ModelSpec] = {}

@@ -54,6 +54,10 @@ FACTORS: dict[str, tuple] = {
     "precision": ("float32", "bfloat16"),
     "accum": (1, 2),
     "offload": (False, True),
+    # Muon with float32 Newton-Schulz: bfloat16's (the default) rounds the layouts' float32
+    # reduction-order noise into differences of ~1e-4 by step 4 (grad norm, measured: ZeRO-1
+    # with CP 2 5.5e-4); the default is one process = torch.optim.Muon, bit for bit
+    "optimizer": ("AdamW", "Muon"),
     # a second launch of the row: none; resumed from its async-saved step-2 checkpoint (steps
     # 3-4 again, exactly); the same run again on the now warm compile cache (exactly equal)
     "relaunch": ("none", "resume_async", "warm_rerun"),
@@ -139,7 +143,14 @@ def degrees(row: Row) -> dict[str, int]:
 
 
 def reference_name(row: Row) -> str:
-    return f"ref_{row['model']}_{row['precision']}" + ("_doc" if row["doc_mask"] else "")
+    return (f"ref_{row['model']}_{row['precision']}" + ("_doc" if row["doc_mask"] else "")
+            + ("_muon" if row["optimizer"] == "Muon" else ""))  # fmt: skip
+
+
+def optimizer_args(row: Row) -> list[str]:
+    if row["optimizer"] == "Muon":
+        return ["--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "float32"]
+    return []
 
 
 def reference_args(row: Row) -> list[str]:
@@ -147,7 +158,8 @@ def reference_args(row: Row) -> list[str]:
     the layout, accumulation and everything else must not change the numbers)."""
     return [*COMMON, *FAMILY_ARGS[row["model"]], "--training.local_batch_size", str(GLOBAL_BATCH),
             "--training.document_mask", str(row["doc_mask"]).lower(),
-            "--training.mixed_precision_param", row["precision"]]  # fmt: skip
+            "--training.mixed_precision_param", row["precision"],
+            *optimizer_args(row)]  # fmt: skip
 
 
 def launch_of(row: Row) -> Launch:
@@ -163,7 +175,7 @@ def launch_of(row: Row) -> Launch:
          "--parallelism.tensor_parallel_degree", str(row["tp"]),
          "--parallelism.context_parallel_degree", str(row["cp"]),
          "--parallelism.expert_parallel_degree", str(row["ep"]),
-         "--parallelism.pipeline_parallel_degree", str(d["pp"])]  # fmt: skip
+         "--parallelism.pipeline_parallel_degree", str(d["pp"]), *optimizer_args(row)]  # fmt: skip
     if d["pp"] > 1:
         a += ["--parallelism.pipeline_parallel_schedule", row["pp"]]
     ac = {"none": ("none", "2"), "full": ("full", "2"), "every2": ("selective", "2"),
@@ -215,7 +227,7 @@ def _drop_defaults(args: list[str]) -> list[str]:
 # presets (test_presets.py), which check only that the loss falls and the layout is built.
 PARITY_MODULES = ("test_parallel_parity", "test_pipeline_parity", "test_qwen3_parity",
                   "test_moe_parity", "test_cp_parity", "test_gemma2_parity",
-                  "test_gemma3_parity", "test_fp64_parity")  # fmt: skip
+                  "test_gemma3_parity", "test_fp64_parity", "test_muon_parity")  # fmt: skip
 # the tables of rows resumed from their `after` run's checkpoint (parity.resumed_runs)
 RESUMED_TABLES = ("RESUMES", "RESUMED")
 
@@ -282,6 +294,9 @@ def row_of(nproc: int, args: Sequence[str], relaunch: str = "none") -> Row | Non
         "precision": t.mixed_precision_param,
         "accum": 1 if global_batch == -1 else global_batch // per_micro,
         "offload": t.enable_cpu_offload,
+        "optimizer": {("AdamW", "bfloat16"): "AdamW", ("Muon", "float32"): "Muon"}.get(
+            (cfg.optimizer.name, cfg.optimizer.muon_ns_dtype)
+        ),
         "relaunch": relaunch,
     }
     if any(values[f] not in levels for f, levels in FACTORS.items()):

@@ -215,6 +215,27 @@ def optimizer(case: Case):
     return opt, sched, [part]
 
 
+def muon_update(case: Case) -> list[float]:
+    """A hidden [3, 6] matrix after two optimizer steps on fixed gradients (Muon's keys: the
+    momentum carries into the second), to 6 digits."""
+    part = torch.nn.Module()
+    part.tok_embeddings = torch.nn.Embedding(4, 6)
+    part.layers = torch.nn.ModuleDict({"0": torch.nn.Linear(6, 3, bias=False)})
+    part.norm = torch.nn.RMSNorm(6)
+    part.output = torch.nn.Linear(6, 4, bias=False)
+    weight = part.layers["0"].weight
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        weight.copy_(torch.randn(3, 6, generator=gen))
+    opt, _ = build_optimizers(case.cfg, [part], "cpu")
+    for _ in range(2):
+        for p in part.parameters():
+            p.grad = torch.zeros_like(p)
+        weight.grad = torch.randn(3, 6, generator=gen)
+        opt.step()
+    return [round(v, 6) for v in weight.flatten().tolist()]
+
+
 def group(key: str, index: int = 0) -> Callable[[Case], Any]:
     return lambda case: optimizer(case)[0].param_groups[index][key]
 

@@ -1,4 +1,5 @@
-"""AdamW with weight-decay groups, and the warmup + decay learning-rate schedule."""
+"""AdamW (or Muon with AdamW, `training.muon`) with weight-decay groups, and the warmup + decay
+learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -19,22 +20,66 @@ def no_decay_patterns(cfg) -> list[str]:
     return list(get_model_spec(cfg.model.name).no_decay if given is None else given)
 
 
-def param_groups(model_parts: list[nn.Module], weight_decay: float, no_decay: list[str]):
-    """Two groups: decayed weights, and parameters whose name contains a `no_decay` pattern.
-    A group holding both DTensors and plain tensors (expert-parallel experts beside ZeRO-0's
-    plain dense weights) is split in two: fused and foreach kernels take one kind per call."""
-    decay, keep = [], []
+def _trainable(model_parts: list[nn.Module]):
+    """(name, parameter) of every trainable parameter; a tied weight's copy under the name of
+    the weight it copies."""
     for part in model_parts:
         tied = part.tied_parameters() if hasattr(part, "tied_parameters") else {}
         for raw, p in part.named_parameters():
-            name = tied.get(canonical_name(raw), raw)  # a tied weight's copy: as the weight
             if p.requires_grad:
-                (keep if any(s in name for s in no_decay) else decay).append(p)
+                yield tied.get(canonical_name(raw), raw), p
+
+
+def _groups(named: list, weight_decay: float, no_decay: list[str], **extra) -> list[dict]:
+    """Decayed parameters and those whose name contains a `no_decay` pattern, each group split
+    by kind where it holds both DTensors and plain tensors (expert-parallel experts beside
+    ZeRO-0's plain dense weights): fused and foreach kernels take one kind per call."""
+    decay = [p for n, p in named if not any(s in n for s in no_decay)]
+    keep = [p for n, p in named if any(s in n for s in no_decay)]
     groups = []
     for params, wd in ((decay, weight_decay), (keep, 0.0)):
         kinds = [[p for p in params if isinstance(p, DTensor) is d] for d in (False, True)]
-        groups += [{"params": k, "weight_decay": wd} for k in (kinds if all(kinds) else [params])]
+        groups += [{"params": k, "weight_decay": wd, **extra}
+                   for k in (kinds if all(kinds) else [params])]  # fmt: skip
     return groups
+
+
+def param_groups(model_parts: list[nn.Module], weight_decay: float, no_decay: list[str]):
+    """Two groups (AdamW): decayed weights, and parameters whose name contains a `no_decay`
+    pattern (each split by kind, `_groups`)."""
+    return _groups(list(_trainable(model_parts)), weight_decay, no_decay)
+
+
+def is_muon_matrix(name: str, p: torch.Tensor, spec) -> bool:
+    """Muon's parameters: matrices (stacks of them included) outside the family's embeddings
+    and head modules."""
+    return p.ndim >= 2 and name.split(".")[0] not in (*spec.embeddings, *spec.head)
+
+
+def build_muon(model_parts, cfg, impl: str, no_decay: list[str], spec):
+    """Muon on the hidden matrices, AdamW on the rest (`training.muon`)."""
+    from training.muon import MuonOptions, MuonWithAdamW
+
+    named = list(_trainable(model_parts))
+    muon = [(n, p) for n, p in named if is_muon_matrix(n, p, spec)]
+    adamw = [(n, p) for n, p in named if not is_muon_matrix(n, p, spec)]
+    layouts = {id(p): layout for n, p in muon for suffix, layout in spec.matrix_layouts.items()
+               if canonical_name(n).endswith(suffix)}  # fmt: skip
+    options = MuonOptions(
+        momentum=cfg.muon_momentum,
+        nesterov=cfg.muon_nesterov,
+        ns_steps=cfg.muon_ns_steps,
+        ns_coefficients=tuple(cfg.muon_ns_coefficients),
+        update_scale=cfg.muon_update_scale,
+        ns_dtype=None if cfg.muon_ns_dtype == "param" else getattr(torch, cfg.muon_ns_dtype),
+    )
+    # AdamW's first: the LR logged is group 0's. No empty group: DCP's flattened state cannot
+    # hold one, so which groups a rank has depends on its pipeline stage (checkpoint.state).
+    groups = _groups(adamw, cfg.weight_decay, no_decay)
+    groups += _groups(muon, cfg.weight_decay, no_decay, muon=True, lr=cfg.muon_lr or cfg.lr)
+    groups = [g for g in groups if g["params"]]
+    return MuonWithAdamW(groups, options, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                         fused=impl == "fused", foreach=impl == "foreach", layouts=layouts)  # fmt: skip
 
 
 def _fused_adam_devices() -> tuple[str, ...]:
@@ -47,13 +92,16 @@ def _fused_adam_devices() -> tuple[str, ...]:
 
 
 def build_optimizer(
-    model_parts: list[nn.Module], cfg, device_type: str, no_decay: list[str]
+    model_parts: list[nn.Module], cfg, device_type: str, no_decay: list[str], spec=None
 ) -> torch.optim.Optimizer:
     """One optimizer over all local model parts (several with virtual pipeline stages), from
-    the `[optimizer]` section; `no_decay`: the resolved patterns (`no_decay_patterns`)."""
+    the `[optimizer]` section; `no_decay`: the resolved patterns (`no_decay_patterns`);
+    `spec`: the family's ModelSpec (Muon reads its embeddings, head and matrix layouts)."""
     impl = cfg.implementation
     if impl == "auto":  # one kernel per step: on CPU too it beats foreach (benchmarks/)
         impl = "fused" if device_type in _fused_adam_devices() else "foreach"
+    if cfg.name == "Muon" and spec is None:
+        raise ValueError("optimizer.name = 'Muon' needs the model family's spec")
     kwargs = {
         "lr": cfg.lr,
         "betas": (cfg.beta1, cfg.beta2),
@@ -65,7 +113,11 @@ def build_optimizer(
     if cfg.name == "Adam":
         for g in groups:
             g["weight_decay"] = 0.0
-    optimizer = (torch.optim.AdamW if cfg.name == "AdamW" else torch.optim.Adam)(groups, **kwargs)
+    if cfg.name == "Muon":
+        optimizer = build_muon(model_parts, cfg, impl, no_decay, spec)
+    else:
+        adam = torch.optim.AdamW if cfg.name == "AdamW" else torch.optim.Adam
+        optimizer = adam(groups, **kwargs)
     if kwargs["fused"]:
         optimizer.register_step_pre_hook(contiguous_grads)
     return optimizer

@@ -263,7 +263,12 @@ def build_source_validation(cfg: JobConfig, tokenizer, dp_rank: int, dp_degree: 
 def build_optimizers(cfg: JobConfig, model_parts: list[nn.Module], device_type: str):
     """(optimizer, LR scheduler) of the run: `[optimizer]` over every local model part, the
     `[lr_scheduler]` schedule over `training.steps` optimizer steps."""
-    optimizer = build_optimizer(model_parts, cfg.optimizer, device_type, no_decay_patterns(cfg))
+    spec = get_model_spec(cfg.model.name)
+    optimizer = build_optimizer(
+        model_parts, cfg.optimizer, device_type, no_decay_patterns(cfg), spec=spec
+    )
+    if hasattr(optimizer, "describe"):
+        logger.info("optimizer: %s", optimizer.describe())
     return optimizer, build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
 
 

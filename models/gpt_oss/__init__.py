@@ -10,7 +10,7 @@ and 116,829,156,672, are transformers' `GptOssForCausalLM` of those configs. `vo
 replaced by the tokenizer's when one is loaded.
 """
 
-from models.contract import HFAdapter, ModelSpec, register
+from models.contract import HFAdapter, MatrixLayout, ModelSpec, register
 from models.gpt_oss import hf
 from models.gpt_oss.model import GptOss, GptOssArgs
 from models.gpt_oss.plan import gpt_oss_block_activation_bytes, gpt_oss_tp_plan
@@ -33,6 +33,9 @@ SPEC = register(ModelSpec(
     routing=routing_hooks(("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")),
     compile_module="attention",  # routing has data-dependent shapes (counts, EP splits)
     no_decay=("norm", "tok_embeddings", "bias", "sinks"),
+    # Muon: experts stored [E, in, out]; gate_up_proj holds gate and up columns interleaved
+    matrix_layouts={"gate_up_proj": MatrixLayout(interleaved=2, rows_last=True),
+                    "down_proj": MatrixLayout(rows_last=True)},
     function_args=("rope_theta", "norm_eps", "rope_factor", "rope_old_context", "rope_beta_fast",
                    "rope_beta_slow", "rope_truncate", "sliding_window", "swiglu_alpha",
                    "swiglu_limit"),

@@ -16,6 +16,7 @@ CP_PARITY = "tests/integration/test_cp_parity.py::test_cp_layout_matches_one_pro
 CP_UNIT = "tests/unit/test_context_parallel.py"
 OPTION = "tests/unit/test_option_effects.py::test_option_takes_effect"
 FP64_PARITY = "tests/integration/test_fp64_parity.py::test_fp64_layout_matches_one_process"
+MUON_PARITY = "tests/integration/test_muon_parity.py::test_muon_layout_matches_one_process"
 RESUME = "tests/unit/test_resume_counters.py::test_resume_restores_every_counter"
 ATTN = "tests/unit/test_attention.py"
 GEMMA2_LOGITS = "tests/unit/test_gemma2.py::test_logits_match_transformers"
@@ -56,8 +57,8 @@ MUTANTS = [
         "weight_decay_on_norms_and_embeddings",
         "weight decay applied to norms and embeddings (no no-decay group)",
         "training/optimizer.py",
-        "(keep if any(s in name for s in no_decay) else decay).append(p)",
-        "decay.append(p)",
+        "    keep = [p for n, p in named if any(s in n for s in no_decay)]\n",
+        "    decay, keep = [p for n, p in named], []\n",
         ("tests/unit/test_training_units.py::test_no_weight_decay_on_norms_and_embeddings",),
     ),
     Mutant(
@@ -162,7 +163,7 @@ MUTANTS = [
         "lr_scheduler_not_restored",
         "resume: the LR scheduler's state is not restored",
         "checkpoint/state.py",
-        '        lr_scheduler.load_state_dict(sd["lr_scheduler"])\n',
+        '        load_schedule(lr_scheduler, optimizer, sd["lr_scheduler"])\n',
         "        pass\n",
         ("tests/integration/test_checkpoint.py::test_resume_continues_bit_identically",),
     ),
@@ -853,8 +854,8 @@ MUTANTS = [
         "Tied embeddings split by PP: the output's copy is weight-decayed while the embedding "
         "is not",
         "training/optimizer.py",
-        "name = tied.get(canonical_name(raw), raw)",
-        "name = raw",
+        "yield tied.get(canonical_name(raw), raw), p",
+        "yield raw, p",
         (f"{FP64_PARITY}[gemma2_pp2_fsdp2]",),
     ),
     Mutant(
@@ -890,5 +891,29 @@ MUTANTS = [
         'eager_backward["force_non_lazy_backward_lowering"] = True',
         'eager_backward["force_non_lazy_backward_lowering"] = False',
         (f"{DIST_UNITS}::test_ranks_compiling_one_graph_take_turns",),
+    ),
+    Mutant(
+        "muon_shard_orthogonalised_alone",
+        "Muon: each rank orthogonalises its own shard of a sharded matrix (no owner exchange)",
+        "training/muon_exchange.py",
+        "    return isinstance(p, DTensor) and bool(_sharded_dims(p))\n",
+        "    return False\n",
+        (f"{MUON_PARITY}[muon_fsdp2]",),
+    ),
+    Mutant(
+        "muon_experts_stacked_into_one_matrix",
+        "Muon: a stack of experts [E, a, b] orthogonalised as one [E a, b] matrix",
+        "training/muon.py",
+        "        out = newton_schulz(u, coefficients, steps, dtype)\n",
+        "        out = newton_schulz(u.flatten(0, -2), coefficients, steps, dtype).view(u.shape)\n",
+        ("tests/unit/test_muon.py::test_each_expert_and_interleaved_matrix_alone",),
+    ),
+    Mutant(
+        "muon_scale_from_local_shard",
+        "Muon: the update scale read from the rank's shard's shape, not the matrix's",
+        "training/muon.py",
+        "            scale = update_scale(p.shape, ",
+        "            scale = update_scale(local(p).shape, ",
+        (f"{MUON_PARITY}[muon_fsdp2]",),
     ),
 ]

@@ -45,6 +45,7 @@ from option_probes import (
     model,
     model_kwargs,
     moe_coefficients,
+    muon_update,
     no_decay_names,
     optimizer,
     prediction,
@@ -97,6 +98,7 @@ VAL = (
     "{docs}",
 )
 MOE = ("--model.name", "qwen3_moe", "--model.flavor", "debugmodel")
+MUON = ("--optimizer.name", "Muon")
 DEEPSEEK = ("--model.name", "deepseek_v3", "--model.n_kv_heads", "4")
 # a mixture of docs alone (no dataset or dataset_path beside a mixture)
 ONE_SOURCE_MIX = ("--training.dataset", "sample", "--training.dataset_path", "",
@@ -148,6 +150,13 @@ EFFECTS: dict[str, Effect] = {
     "optimizer.implementation": Effect(
         "for-loop", lambda c: (group("fused")(c), group("foreach")(c)), (False, False)
     ),
+    "optimizer.muon_lr": Effect("0.5", muon_update, DIFFERS, MUON),
+    "optimizer.muon_momentum": Effect("0.5", muon_update, DIFFERS, MUON),
+    "optimizer.muon_nesterov": Effect("false", muon_update, DIFFERS, MUON),
+    "optimizer.muon_ns_steps": Effect("2", muon_update, DIFFERS, MUON),
+    "optimizer.muon_ns_coefficients": Effect("[3.0, -3.2, 1.2]", muon_update, DIFFERS, MUON),
+    "optimizer.muon_update_scale": Effect("original", muon_update, DIFFERS, MUON),
+    "optimizer.muon_ns_dtype": Effect("float32", muon_update, DIFFERS, MUON),
     # [lr_scheduler]: the base is 10 steps, 2 of warmup, a linear decay to 0
     "lr_scheduler.warmup_steps": Effect("4", lr_factors, (0.2, 0.6, 0.6667, 0.0)),
     "lr_scheduler.decay_ratio": Effect("0.5", lr_factors, (0.3333, 1.0, 0.8, 0.0)),
