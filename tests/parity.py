@@ -10,7 +10,10 @@ A parity check compares two runs of the same global batches and initial weights:
   per-rank parameter elements the sharding implies (a TP-2 run holds half the block weights).
 
 Tolerances, measured on the 2-core development machine (fp32, deterministic algorithms,
-20 steps at lr 3e-3), with the worst layout's value and the margin kept:
+20 steps at lr 3e-3), with the worst layout's value and the margin kept. The runs are 10 steps
+since 2026-12-08 (the suite's budget, #31): float32 noise grows with the steps, so the bounds
+measured over 20 hold over the first 10 with more margin, and every planted bug of the
+mutation check is still caught:
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ from dist_utils import Run, read_records
 
 from scripts.loss_compare import compare, read_metric
 
-STEPS = 20
-# Saves at step 10 (resume tests start there) and at the last step (the final weights).
-CHECKPOINT_ARGS = ["--checkpoint.enable", "true", "--checkpoint.interval", "10"]
+STEPS = 10
+RESUME_STEP = 5  # the resume tests start from this step's checkpoint
+# Saves at RESUME_STEP and at the last step (the final weights).
+CHECKPOINT_ARGS = ["--checkpoint.enable", "true", "--checkpoint.interval", str(RESUME_STEP)]
 
 
 @dataclass(frozen=True)
@@ -227,12 +231,12 @@ def family_runs(want: set[str], common: list[str], references: dict, layouts: di
 
 
 def resumed_runs(want: set[str], common: list[str], rows: dict) -> list[Run]:
-    """The runs of `want` among `rows` (id: `Layout`), each resumed from the step-10 checkpoint
-    of its `after` run (optimizer included)."""
+    """The runs of `want` among `rows` (id: `Layout`), each resumed from the RESUME_STEP
+    checkpoint of its `after` run (optimizer included)."""
     todo = []
     for n, row in rows.items():
         if n in want:
-            load = [f"--checkpoint.initial_load_path={{run:{row.after}}}/checkpoint/step-10",
+            load = [f"--checkpoint.initial_load_path={{run:{row.after}}}/checkpoint/step-{RESUME_STEP}",
                     "--checkpoint.initial_load_model_only=false"]  # fmt: skip
             todo.append(Run(n, row.nproc, [*common, *row.args, *load], after=row.after))
     return todo

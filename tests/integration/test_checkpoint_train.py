@@ -7,7 +7,7 @@ another DP degree), a save killed by SIGKILL, the seed checkpoint, a checkpoint 
 fit, the weights-only export and Hugging Face folders loaded and exported under TP x FSDP, PP
 and EP.
 
-The runs resumed and resharded here continue the parity runs' own step-10 checkpoints
+The runs resumed and resharded here continue the parity runs' own step-5 checkpoints
 (tests/integration/test_parallel_parity.py and test_pipeline_parity.py: the same arguments,
 so the run pool launches each once); every layout trains the same global batch (8 sequences
 per step), so all layouts compute the same losses up to float reassociation.
@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import TINY_CONFIG, Run
-from parity import EXACT, FP32, assert_layout, assert_parity, moe_local_blocks
+from parity import EXACT, FP32, RESUME_STEP, STEPS, assert_layout, assert_parity, moe_local_blocks
 from test_parallel_parity import COMMON
 from test_parallel_parity import LAYOUTS as PARITY
 from test_pipeline_parity import COMMON as PP_COMMON
@@ -58,12 +58,13 @@ LAYOUTS = {
     "pp2_2_layers": (2, PP),  # one layer per stage, the default schedule
 }
 PIPELINE_COMMON = {"pp2", "pp2_interleaved"}  # the layouts of the pipeline parity runs
-# The parity run of each layout is the reference; its step-10 checkpoint (saved synchronously)
-# continues to step 20 saving asynchronously every 5 steps, keeping the latest 2, and that
-# run's asynchronously saved step-15 continues again to step 20: both bit for bit. (ZeRO-2's
+# The parity run of each layout is the reference; its step-5 checkpoint (saved synchronously)
+# continues to step 10 saving asynchronously every 2 steps, keeping the latest 2, and that
+# run's asynchronously saved step-8 continues again to step 10: both bit for bit. (ZeRO-2's
 # shards are views at a storage offset: async staging once crashed on them.)
 RESUMED = ["single", "fsdp4", "tp2_fsdp2", "pp2", "zero1", "zero2", "hsdp", "tied_tp2_fsdp2"]
-ASYNC = ("--checkpoint.async_mode=async", "--checkpoint.interval=5", "--checkpoint.keep_latest_k=2")
+ASYNC = ("--checkpoint.async_mode=async", "--checkpoint.interval=2", "--checkpoint.keep_latest_k=2")
+AGAIN_STEP = 8  # the async save the second resume starts from
 RESHARDS = [
     ("fsdp4", "fsdp2"),
     ("tp2_fsdp2", "single"),
@@ -109,15 +110,15 @@ def n_layers(run: Run) -> int:
 def _plan() -> list[Run]:
     """Every declared launch of this module, with what each starts from."""
     plan = [layout_run(f"ref_{layout}", layout) for layout in LAYOUTS]
-    step10 = "checkpoint/step-10"
+    middle = f"checkpoint/step-{RESUME_STEP}"
     for layout in RESUMED:
-        step15 = (f"resumed_{layout}", "checkpoint/step-15")
+        async_save = (f"resumed_{layout}", f"checkpoint/step-{AGAIN_STEP}")
         plan.append(
-            layout_run(f"resumed_{layout}", layout, *ASYNC, copy_from=(f"ref_{layout}", step10))
+            layout_run(f"resumed_{layout}", layout, *ASYNC, copy_from=(f"ref_{layout}", middle))
         )
-        plan.append(layout_run(f"again_{layout}", layout, *ASYNC, copy_from=step15))
+        plan.append(layout_run(f"again_{layout}", layout, *ASYNC, copy_from=async_save))
     for src, dst in RESHARDS:
-        copy = (f"ref_{src}", step10)
+        copy = (f"ref_{src}", middle)
         plan.append(layout_run(f"reshard_{src}_{dst}", dst, model=src, copy_from=copy))
     plan += _seed_plan()
     export = ["--training.steps=2", "--checkpoint.interval=5", "--checkpoint.model_only=true",
@@ -201,20 +202,22 @@ def steps(d: dict, lo: int, hi: int) -> list[float]:
 def test_exact_resume_with_async_saves(runs, layout):
     ref = runs[f"ref_{layout}"].check()
     assert_layout(ref.folder, ref.nproc, ref.args, n_layers(ref))
-    assert sorted(losses(ref.folder)) == list(range(1, 21))
+    assert sorted(losses(ref.folder)) == list(range(1, STEPS + 1))
     resumed = runs[f"resumed_{layout}"].check()
-    assert "step-10 (latest checkpoint in the run folder) step 10" in log_text(resumed.folder)
-    assert sorted(losses(resumed.folder)) == list(range(11, 21))
-    # async saves at 15 and 20, the latest 2 kept: the copied step-10 is gone
+    start = f"step-{RESUME_STEP} (latest checkpoint in the run folder) step {RESUME_STEP}"
+    assert start in log_text(resumed.folder)
+    assert sorted(losses(resumed.folder)) == list(range(RESUME_STEP + 1, STEPS + 1))
+    # async saves at 6, 8 and 10, the latest 2 kept: the copied step-5 and step-6 are gone
     names = sorted(p.name for p in (resumed.folder / "checkpoint").iterdir())
-    assert names == ["step-15", "step-20"], names
-    # every step's loss and grad norm, and the final weights (read from the async step-20)
-    assert_parity(ref.folder, resumed.folder, EXACT, first=11)
-    # the asynchronously saved step-15 (weights, optimizer, loader, schedule, RNG) continues
+    assert names == [f"step-{STEPS}", f"step-{AGAIN_STEP}"], names
+    # every step's loss and grad norm, and the final weights (read from the async step-10)
+    assert_parity(ref.folder, resumed.folder, EXACT, first=RESUME_STEP + 1)
+    # the asynchronously saved step-8 (weights, optimizer, loader, schedule, RNG) continues
     again = runs[f"again_{layout}"].check()
-    assert "step-15 (latest checkpoint in the run folder) step 15" in log_text(again.folder)
-    assert sorted(losses(again.folder)) == list(range(16, 21))
-    assert_parity(ref.folder, again.folder, EXACT, first=16)
+    start = f"step-{AGAIN_STEP} (latest checkpoint in the run folder) step {AGAIN_STEP}"
+    assert start in log_text(again.folder)
+    assert sorted(losses(again.folder)) == list(range(AGAIN_STEP + 1, STEPS + 1))
+    assert_parity(ref.folder, again.folder, EXACT, first=AGAIN_STEP + 1)
 
 
 @pytest.mark.parametrize("src,dst", RESHARDS)
@@ -223,16 +226,17 @@ def test_reshard(runs, src, dst):
     assert_layout(source.folder, source.nproc, source.args, n_layers(source))
     src_dump = source.folder
     run = runs[f"reshard_{src}_{dst}"].check()
-    assert sorted(losses(run.folder)) == list(range(11, 21))
+    assert sorted(losses(run.folder)) == list(range(RESUME_STEP + 1, STEPS + 1))
     assert_layout(run.folder, run.nproc, run.args, n_layers(run))
-    assert_parity(src_dump, run.folder, FP32, first=11)
+    assert_parity(src_dump, run.folder, FP32, first=RESUME_STEP + 1)
     if LAYOUTS[src][0] != LAYOUTS[dst][0] and src.startswith("fsdp"):
         # the data loader continued from the global position at another DP degree
-        before = dcp_values(src_dump / "checkpoint/step-10", {"dataloader": {"state": b""}})
-        after = dcp_values(run.folder / "checkpoint/step-20", {"dataloader": {"state": b""}})
+        before = dcp_values(src_dump / f"checkpoint/step-{RESUME_STEP}",
+                            {"dataloader": {"state": b""}})  # fmt: skip
+        after = dcp_values(run.folder / f"checkpoint/step-{STEPS}", {"dataloader": {"state": b""}})
         assert before["dataloader"]["dp_degree"] == 4 and after["dataloader"]["dp_degree"] == 2
-        assert before["dataloader"]["consumed_sequences"] == 10 * 8
-        assert after["dataloader"]["consumed_sequences"] == 20 * 8
+        assert before["dataloader"]["consumed_sequences"] == RESUME_STEP * 8
+        assert after["dataloader"]["consumed_sequences"] == STEPS * 8
 
 
 def _descendants(pid: int) -> list[int]:
@@ -295,9 +299,9 @@ def test_killed_save_leaves_the_previous_checkpoint(tmp_path, runs, pool):
     text = log_text(dump)
     assert "ignoring incomplete checkpoint" in text and "step-10.tmp" in text
     assert "step-5 (latest checkpoint in the run folder) step 5" in text
-    assert steps(losses(dump), 6, 20) == steps(ref, 6, 20)
+    assert steps(losses(dump), 6, STEPS) == steps(ref, 6, STEPS)
     assert _digest(ckpt / "step-5") == saved
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step-10", "step-15", "step-20", "step-5"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-10", "step-5"]
 
 
 def test_seed_checkpoint_then_mismatched_model(runs):

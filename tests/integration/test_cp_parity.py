@@ -25,6 +25,7 @@ from parity import (
     MOE_FP32,
     QWEN3_COMPILED_CP_FP32,
     QWEN3_FP32,
+    RESUME_STEP,
     STEPS,
     Layout,
     assert_layout,
@@ -79,7 +80,7 @@ LAYOUTS = table(
     # the 2 data-parallel ranks: their gradients divided by dp x cp, as the dense weights'
     Layout("moe_ep2_cp2_doc", 4, (*MOE, "--parallelism.context_parallel_degree=2", "--parallelism.expert_parallel_degree=2", "--training.local_batch_size=4", DOC), "moe_doc", MOE_FP32),
 )
-# resumed from llama_cp2_doc's step-10 checkpoint: the same layout continues exactly, and
+# resumed from llama_cp2_doc's step-5 checkpoint: the same layout continues exactly, and
 # resharded to one process like the one-process run
 SAVER = "llama_cp2_doc"
 RESUMED = table(
@@ -130,11 +131,11 @@ def test_document_mask_changes_training(runs):
 
 
 def test_resume_and_reshard_cp(runs):
-    """The CP 2 step-10 checkpoint continues bit for bit at CP 2, and within the parity
+    """The CP 2 step-5 checkpoint continues bit for bit at CP 2, and within the parity
     tolerances in one process (CP 1), data position included."""
     for row in RESUMED.values():
         run, ref = runs[row.id].check(), runs[row.reference].check()
         assert "checkpoint: loaded" in run.output, row.id
-        assert sorted(run.losses()) == list(range(11, STEPS + 1)), row.id
+        assert sorted(run.losses()) == list(range(RESUME_STEP + 1, STEPS + 1)), row.id
         assert_layout(run.folder, row.nproc, run.args)
-        assert_parity(ref.folder, run.folder, row.tol, first=11)
+        assert_parity(ref.folder, run.folder, row.tol, first=RESUME_STEP + 1)

@@ -4,7 +4,7 @@ FSDP and context parallelism exactly like one process, with the harness of `test
 `tests/tiny_model.toml` (2 layers: layer 0 slides over a 12-token window inside the
 32-token sequences, layer 1 is global; attention and output logits soft-capped). Under CP the
 window crosses the ranks' load-balanced chunks and, with document masking, document ends;
-nothing of that is Gemma's own code (its layers declare an `AttentionSpec`). A step-10
+nothing of that is Gemma's own code (its layers declare an `AttentionSpec`). A step-5
 checkpoint resumes resharded onto TP 2. TP 2 and CP 2 with documents alone are the float64
 rows of test_fp64_parity.py.
 """
@@ -15,6 +15,7 @@ import pytest
 from parity import (
     CHECKPOINT_ARGS,
     GEMMA2_FP32,
+    RESUME_STEP,
     STEPS,
     Layout,
     assert_layout,
@@ -69,12 +70,12 @@ def test_gemma2_layout_matches_one_process(runs, name):
 
 
 def test_resume_and_reshard(runs):
-    """fsdp2's step-10 checkpoint continues within the parity tolerances resharded onto TP 2
+    """fsdp2's step-5 checkpoint continues within the parity tolerances resharded onto TP 2
     (the tied matrix onto the vocabulary, the norms replicated). Exact resume of a layout is
     test_checkpoint_train.py's, per layout."""
     for row in RESUMED.values():
         run, ref = runs[row.id].check(), runs[row.reference].check()
         assert "checkpoint: loaded" in run.output, row.id
-        assert sorted(run.losses()) == list(range(11, STEPS + 1)), row.id
+        assert sorted(run.losses()) == list(range(RESUME_STEP + 1, STEPS + 1)), row.id
         assert_layout(run.folder, run.nproc, run.args)
-        assert_parity(ref.folder, run.folder, row.tol, first=11)
+        assert_parity(ref.folder, run.folder, row.tol, first=RESUME_STEP + 1)

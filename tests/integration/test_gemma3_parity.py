@@ -10,7 +10,7 @@ window cuts every sequence and, under CP, crosses the chunk boundaries).
 - CP 2 (with and without document masking) and CP 2 x FSDP 2 with full activation
   checkpointing: both attention specs (window, global) through the shared core's CP version,
   each block with the RoPE rows of its kind at the rank's global positions;
-- a step-10 FSDP 2 checkpoint resumes bit for bit.
+- a step-5 FSDP 2 checkpoint resumes bit for bit.
 Pipeline parallelism and ZeRO 0-2 refuse tied weights up front (Gemma 3 ties its output).
 """
 
@@ -21,6 +21,7 @@ from parity import (
     CHECKPOINT_ARGS,
     EXACT,
     GEMMA3_FP32,
+    RESUME_STEP,
     STEPS,
     Layout,
     assert_layout,
@@ -84,9 +85,9 @@ def test_document_mask_changes_training(runs):
 
 
 def test_resume_is_exact(runs):
-    """The FSDP 2 step-10 checkpoint continues bit for bit."""
+    """The FSDP 2 step-5 checkpoint continues bit for bit."""
     for row in RESUMED.values():
         run, ref = runs[row.id].check(), runs[row.reference].check()
-        assert sorted(run.losses()) == list(range(11, STEPS + 1)), run.name
+        assert sorted(run.losses()) == list(range(RESUME_STEP + 1, STEPS + 1)), run.name
         assert_layout(run.folder, run.nproc, run.args)
-        assert_parity(ref.folder, run.folder, row.tol, first=11)
+        assert_parity(ref.folder, run.folder, row.tol, first=RESUME_STEP + 1)

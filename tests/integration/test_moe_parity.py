@@ -16,6 +16,7 @@ from parity import (
     CHECKPOINT_ARGS,
     EXACT,
     MOE_FP32,
+    RESUME_STEP,
     STEPS,
     Layout,
     assert_layout,
@@ -35,7 +36,7 @@ Z_ONLY = ("--moe.aux_loss_coeff=0", "--moe.z_loss_coeff=0.001", *BIAS)
 # lr 1e-3, not the dense tests' 3e-3: at 3e-3 the tiny model's loss spikes (grad norm 4-5 near
 # step 18) and a token whose top-2 choice is a near tie flips expert on a 1e-7 difference,
 # which the spike then amplifies past every tolerance (measured: 6e-4 in the grad norm); at 1e-3
-# the loss still falls by 0.9 in 20 steps.
+# the loss still falls by 0.9 in 20 steps (0.36 in the 10 the runs take since 2026-12-08).
 # In corpus order, the order MOE_FP32 and the reference's loss drop (0.8 in 20 steps) were
 # measured on; shuffled sequences fall 0.75 in 20 steps (2026-12-03).
 COMMON = ["--training.steps", str(STEPS), "--optimizer.lr", "1e-3", *CHECKPOINT_ARGS, *MOE,
@@ -58,7 +59,7 @@ LAYOUTS = table(
     Layout("ep2_zero0", 2, ("--parallelism.expert_parallel_degree=2", "--parallelism.zero_stage=0", "--training.local_batch_size=4"), "aux", TOL),
     Layout("ep2_zero2", 4, ("--parallelism.expert_parallel_degree=2", "--parallelism.zero_stage=2", "--training.local_batch_size=2"), "aux", TOL),
 )
-# resumed from ep2's step-10 checkpoint: the same layout continues exactly, the resharded ones
+# resumed from ep2's step-5 checkpoint: the same layout continues exactly, the resharded ones
 # (EP 2 -> EP 1, i.e. FSDP 2; EP 2 -> EP 4 on 4 ranks) like the one-process run
 RESUMED = table(
     Layout("ep2_resumed", 2, LAYOUTS["ep2"].args, "ep2", EXACT, after="ep2"),
@@ -117,7 +118,7 @@ def test_moe_reference_trains_and_balances(runs):
     load-balancing loss is logged, every expert gets tokens."""
     aux, bias = runs["aux"].check(), runs["aux_bias"].check()
     losses = aux.losses()
-    assert losses[STEPS] < losses[1] - 0.8, losses
+    assert losses[STEPS] < losses[1] - 0.25, losses
     router = read_records(aux.folder, "router")
     assert [r["step"] for r in router] == list(range(1, STEPS + 1))
     assert all(r["aux_loss"] > 0 and r["bias_drift"] == 0 for r in router), router
@@ -126,13 +127,13 @@ def test_moe_reference_trains_and_balances(runs):
 
 
 def test_resume_and_reshard_across_ep_degrees(runs):
-    """ep2's step-10 checkpoint continues bit-identically at EP 2, and within the parity
+    """ep2's step-5 checkpoint continues bit-identically at EP 2, and within the parity
     tolerances at EP 1 (FSDP 2) and at EP 4 on 4 ranks (experts resharded by DCP)."""
     aux = runs["aux"].check()
     for row in RESUMED.values():
         run, ref = runs[row.id].check(), runs[row.reference].check()
-        assert sorted(run.losses()) == list(range(11, STEPS + 1)), row.id
+        assert sorted(run.losses()) == list(range(RESUME_STEP + 1, STEPS + 1)), row.id
         local = expected_local_blocks(row.nproc, row.args)
         assert_layout(run.folder, row.nproc, run.args, local_blocks=local)
-        assert_parity(ref.folder, run.folder, row.tol, first=11)
-        assert_router_parity(aux.folder, run.folder, first=11)
+        assert_parity(ref.folder, run.folder, row.tol, first=RESUME_STEP + 1)
+        assert_router_parity(aux.folder, run.folder, first=RESUME_STEP + 1)

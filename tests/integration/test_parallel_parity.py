@@ -2,7 +2,7 @@
 
 All runs start from the same weights (initialisation is sharding-independent), read the same
 global batches (the loader is DP-invariant), run with deterministic algorithms and train
-20 steps of the same global batch of 8 sequences. Each run must match its reference (one
+10 steps of the same global batch of 8 sequences. Each run must match its reference (one
 process in fp32; FSDP 2 for the bf16 family) under the harness in `tests/parity.py`: loss and
 gradient norm (the global norm, clipped to 1.0) at every step, the final weights, and the
 layout it built. Runs that add a feature on top of a DP layout (AC modes, accumulation,
@@ -22,6 +22,7 @@ from dist_utils import Run
 from parity import (
     CHECKPOINT_ARGS,
     FP32,
+    RESUME_STEP,
     STEPS,
     Layout,
     Tolerance,
@@ -39,7 +40,7 @@ from parity import (
 
 from scripts.loss_compare import rel_diff
 
-# tests/tiny_model.toml for 20 steps, saving at steps 10 and 20 (test_checkpoint_train.py
+# tests/tiny_model.toml for 10 steps, saving at steps 5 and 10 (test_checkpoint_train.py
 # resumes and reshards these runs' checkpoints; tests/matrix.py reads them too)
 COMMON = ["--training.steps", str(STEPS), *CHECKPOINT_ARGS]
 BF16 = "--training.mixed_precision_param=bfloat16"
@@ -102,7 +103,7 @@ LAYOUTS = table(
     Layout("mixture_zero3_4", 4, ("--parallelism.zero_stage=3", "--training.local_batch_size=2", MIX), "mixture_one_process"),
 )
 # ZeRO-2 shards are FSDP's layout (Shard(0), under TP FSDP's shards of the TP shards): their
-# step-10 checkpoints resume under ZeRO-3 (`after`: the saver)
+# step-5 checkpoints resume under ZeRO-3 (`after`: the saver)
 RESUMES = table(
     Layout("zero2_to_zero3_resume", 2, ("--parallelism.zero_stage=3", "--training.local_batch_size=4"), after="zero2_2_accum_ac_sel2"),
     Layout("tp2_zero2_to_tp2_fsdp2_resume", 4, ("--parallelism.zero_stage=3", "--parallelism.tensor_parallel_degree=2", "--training.local_batch_size=4"), after="tp2_zero2_accum"),
@@ -163,18 +164,18 @@ def test_layout_matches_one_process(runs, name):
 
 
 def test_reference_loss_falls(runs):
-    # Otherwise a wrong update could hide in a flat loss curve.
+    # Otherwise a wrong update could hide in a flat loss curve (8.82 -> 8.13 in 10 steps).
     losses = runs["reference"].check().losses()
-    assert len(losses) == STEPS and losses[STEPS] < losses[1] - 1.0, losses
+    assert len(losses) == STEPS and losses[STEPS] < losses[1] - 0.5, losses
 
 
 @pytest.mark.parametrize("name", list(RESUMES))
 def test_zero2_checkpoint_resumes_under_fsdp(runs, name):
     ref, run = runs["reference"].check(), runs[name].check()
     assert "checkpoint: loaded" in run.output
-    assert sorted(run.losses()) == list(range(11, STEPS + 1))
+    assert sorted(run.losses()) == list(range(RESUME_STEP + 1, STEPS + 1))
     assert_layout(run.folder, run.nproc, run.args)
-    assert_parity(ref.folder, run.folder, FP32, first=11)
+    assert_parity(ref.folder, run.folder, FP32, first=RESUME_STEP + 1)
 
 
 def test_compile_time_logged_separately(runs):

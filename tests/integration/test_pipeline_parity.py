@@ -1,10 +1,10 @@
 """Pipeline-parallel training matches one process, for every schedule torch provides.
 
 The tiny model (tests/tiny_model.toml, here with 4 layers so that multi-stage schedules get
-2 stages of 1 layer per rank; 8 layers for 4 ranks of 2 stages) trains 20 steps in fp32 with
+2 stages of 1 layer per rank; 8 layers for 4 ranks of 2 stages) trains 10 steps in fp32 with
 deterministic algorithms and a global batch of 8 sequences. Each run must match the
 one-process run of its depth under the harness in `tests/parity.py` (loss and gradient norm
-at every step, the global norm over all pipeline stages clipped to 0.8; final weights; the
+at every step, the global norm over all pipeline stages clipped to 0.7; final weights; the
 layout it built), and so must the validation loss (every 5 steps), which runs each
 schedule's forward-only path. Only the runs the selected tests need are launched.
 """
@@ -33,7 +33,7 @@ from parity import (
 
 from parallelisms.pipeline import v_schedules_on_gloo
 
-CLIP = 0.8  # below most steps' gradient norm, so clipping (global over stages) is exercised
+CLIP = 0.7  # below half the steps' gradient norm, so clipping (global over stages) is exercised
 COMMON = [
     "--model.n_layers", "4", "--training.max_norm", str(CLIP), "--training.steps", str(STEPS),
     "--validation.enable", "true", "--validation.freq", "5", "--validation.steps", "2",
@@ -120,7 +120,7 @@ def test_pipeline_matches_one_process(runs, name):
     assert_layout(run.folder, run.nproc, run.args, n_layers=4)
     assert_parity(ref.folder, run.folder, LAYOUTS[name].tol)
     val = by_step(ref.folder, "loss", kind="validation")
-    assert sorted(val) == [5, 10, 15, 20]
+    assert sorted(val) == list(range(5, STEPS + 1, 5))
     assert_series(val, by_step(run.folder, "loss", kind="validation"), "validation loss", FP32.loss)
 
 

@@ -13,6 +13,7 @@ import pytest
 from parity import (
     CHECKPOINT_ARGS,
     QWEN3_FP32,
+    RESUME_STEP,
     STEPS,
     Layout,
     assert_layout,
@@ -43,7 +44,7 @@ LAYOUTS = table(
     Layout("untied_tp2_fsdp2", 4, (*UNTIED, "--parallelism.tensor_parallel_degree=2", "--training.local_batch_size=4"), "untied", TOL),
     Layout("untied_pp2", 2, (*UNTIED, "--parallelism.pipeline_parallel_degree=2", "--model.n_layers=4", "--parallelism.pipeline_parallel_schedule=1F1B", "--parallelism.pipeline_parallel_microbatch_size=2"), "untied_4_layers", TOL),
 )
-# resumed from tied_fsdp2's step-10 checkpoint, resharded (the tied matrix onto the
+# resumed from tied_fsdp2's step-5 checkpoint, resharded (the tied matrix onto the
 # vocabulary): like the one-process run (exact resume per layout: test_checkpoint_train.py)
 RESUMED = table(
     Layout("tied_fsdp2_to_tp2_fsdp2", 4, LAYOUTS["tied_tp2_fsdp2"].args, "tied", TOL, after="tied_fsdp2"),
@@ -71,7 +72,7 @@ def test_qwen3_layout_matches_one_process(runs, name):
 
 def test_tied_reference_has_one_matrix(runs):
     """The one-process tied run really trains one matrix: the log counts it once, and its
-    checkpoint holds the embedding and output weights equal after 20 steps of training."""
+    checkpoint holds the embedding and output weights equal after 10 steps of training."""
     from parity import final_weights
 
     run = runs["tied"].check()
@@ -83,10 +84,10 @@ def test_tied_reference_has_one_matrix(runs):
 
 
 def test_resume_and_reshard(runs):
-    """tied_fsdp2's step-10 checkpoint continues within the parity tolerances under TP 2 x
+    """tied_fsdp2's step-5 checkpoint continues within the parity tolerances under TP 2 x
     FSDP 2 (the tied matrix resharded onto the vocabulary)."""
     for row in RESUMED.values():
         run, ref = runs[row.id].check(), runs[row.reference].check()
-        assert sorted(run.losses()) == list(range(11, STEPS + 1)), run.name
+        assert sorted(run.losses()) == list(range(RESUME_STEP + 1, STEPS + 1)), run.name
         assert_layout(run.folder, run.nproc, run.args)
-        assert_parity(ref.folder, run.folder, row.tol, first=11)
+        assert_parity(ref.folder, run.folder, row.tol, first=RESUME_STEP + 1)
