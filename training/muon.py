@@ -118,11 +118,14 @@ class MuonWithAdamW(torch.optim.Optimizer):
         muon = [p for g in self.param_groups if g["muon"] for p in g["params"]]
         rest = [p for g in self.param_groups if not g["muon"] for p in g["params"]]
         sizes = sorted({sg.size for sg in self.shard_groups})
+        received = [g.received() for g in self.shard_groups]
+        ours, everywhere = sum(r[0] for r in received), sum(r[1] for r in received)
         return (
             f"Muon on {len(muon)} matrices ({sum(p.numel() for p in muon):,} elements), AdamW "
             f"on {len(rest)} tensors ({sum(p.numel() for p in rest):,}); "
             f"{len(self.exchanged)} sharded matrices go to owners in "
-            f"{len(self.shard_groups)} groups of {sizes or '-'} ranks"
+            f"{len(self.shard_groups)} groups of {sizes or '-'} ranks, receiving {ours:,} "
+            f"elements a step here (gathering every matrix: {everywhere:,})"
         )
 
     @torch.no_grad()

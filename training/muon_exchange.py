@@ -9,9 +9,9 @@ sends every rank's pieces to their owners, each owner orthogonalises its whole m
 second all_to_all returns each rank its pieces of the results.
 
 Per rank, with W ranks in the group and S bytes of matrices in it, that receives
-2 (W - 1) S / W^2 and computes NS for S / W; gathering every matrix on every rank would
-receive (W - 1) S / W and compute NS for all of S (W = 2 moves the same bytes and halves the
-NS work; W = 8 moves a quarter). Tensors go in the NS dtype (bfloat16 by default): the
+2 (W - 1) S / W^2 and computes NS for S / W (`ShardGroup.received` counts it; the run logs
+it); gathering every matrix on every rank would receive (W - 1) S / W and compute NS for all
+of S (W = 2 moves the same bytes and halves the NS work; W = 8 moves a quarter). Tensors go in the NS dtype (bfloat16 by default): the
 iteration's first step casts to it anyway. Where a placement splits only the leading dims of a
 stacked weight (EP's experts), every rank already holds whole matrices and nothing moves.
 
@@ -55,6 +55,17 @@ class ShardGroup:
     owners: list[int] = field(default_factory=list)
     pieces: list[list[Piece]] = field(default_factory=list)  # [matrix][group rank]
 
+    def received(self) -> tuple[int, int]:
+        """Elements this rank receives per step: (owner-computes, gathering every matrix)."""
+        ours = sum(
+            sum(pc.numel() for r, pc in enumerate(pieces) if r != self.me)
+            if o == self.me else pieces[self.me].numel()
+            for o, pieces in zip(self.owners, self.pieces)
+        )  # fmt: skip
+        everywhere = sum(p.numel() - pieces[self.me].numel()
+                         for p, pieces in zip(self.params, self.pieces))  # fmt: skip
+        return ours, everywhere
+
 
 def _sharded_dims(p: DTensor) -> list[int]:
     """The mesh dims (of size > 1) that shard `p`, if one of them splits a matrix dim (the last
@@ -77,8 +88,9 @@ def needs_exchange(p: torch.Tensor) -> bool:
 
 
 def _process_groups(keys: set[tuple[int, ...]]) -> dict[tuple[int, ...], dist.ProcessGroup]:
-    """One process group per shard group of any rank: every rank learns every rank's keys and
-    creates them all in one order (`new_group` is collective over the world)."""
+    """A new process group per shard group spanning several mesh dims (`keys`: their ranks),
+    of any rank: every rank learns every rank's keys and creates them all in one order
+    (`new_group` is collective over the world). One mesh dim's groups are the mesh's own."""
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, sorted(keys))
     union = sorted({tuple(k) for ks in gathered for k in ks})
@@ -94,12 +106,17 @@ def build_shard_groups(params: list[torch.Tensor]) -> list[ShardGroup]:
     """The shard groups of the Muon parameters that need an exchange (collective over the world:
     every rank calls it, in the same order, with its own parameters)."""
     by_key: dict[tuple[int, ...], list[DTensor]] = {}
+    pgs = {}
     for p in params:
         if needs_exchange(p):
-            by_key.setdefault(_group_ranks(p, _sharded_dims(p)), []).append(p)
+            dims = _sharded_dims(p)
+            key = _group_ranks(p, dims)
+            by_key.setdefault(key, []).append(p)
+            if len(dims) == 1:
+                pgs.setdefault(key, p.device_mesh.get_group(dims[0]))
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return []
-    pgs = _process_groups(set(by_key))
+    pgs = {**_process_groups(set(by_key) - set(pgs)), **pgs}
     groups = []
     for key, members in sorted(by_key.items()):
         pg = pgs[key]

@@ -1,6 +1,6 @@
 """Muon (`--optimizer.name Muon`, training/muon.py) gives one process's update under every
 layout. In float64, with Newton-Schulz in the weights' dtype (`optimizer.muon_ns_dtype =
-"param"`), FSDP 2, HSDP 2 x 2 (replicas compute their own owner's result), TP 2 x FSDP 2 (2-D
+"param"`), FSDP 2, HSDP 2 x 2 (replicas compute their own owner's result), TP 2, TP 2 x FSDP 2 (2-D
 shard groups: FSDP's strided shards of TP's), PP 2 and EP 2 (each expert its own matrix, every
 rank holding whole ones) equal one process within `parity.FP64` (1e-10 relative) in loss and
 gradient norm at every step and in the final weights, and build the layout asked for. FSDP 2's
@@ -31,6 +31,7 @@ PP2 = ("--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_paral
 LAYOUTS = table(
     Layout("muon_fsdp2", 2, ("--training.local_batch_size=4",), "llama", FP64),
     Layout("muon_hsdp", 4, ("--parallelism.data_parallel_replicate_degree=2", "--training.local_batch_size=2"), "llama", FP64),
+    Layout("muon_tp2", 2, (TP2,), "llama", FP64),
     Layout("muon_tp2_fsdp2", 4, (TP2, "--training.local_batch_size=4"), "llama", FP64),
     Layout("muon_pp2", 2, PP2, "llama", FP64),
     Layout("muon_moe_ep2", 2, (*REFERENCES["moe"], "--parallelism.expert_parallel_degree=2", "--training.local_batch_size=4"), "moe", FP64),
