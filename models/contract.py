@@ -149,6 +149,12 @@ class ModelSpec:
     matrix_layouts: dict[str, MatrixLayout] = dataclasses.field(default_factory=dict)
 
 
+def is_muon_matrix(spec: ModelSpec, name: str, ndim: int) -> bool:
+    """Whether the Muon optimizer holds parameter `name` (as the plain model names it) of
+    `ndim` dims: matrices (stacks of them included) outside the family's embeddings and head."""
+    return ndim >= 2 and name.split(".")[0] not in (*spec.embeddings, *spec.head)
+
+
 MODELS: dict[str, ModelSpec] = {}
 
 

@@ -27,6 +27,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from models.contract import is_muon_matrix
+from models.init_weights import canonical_name
 from models.mixed_precision import in_weight_dtype, mixed_precision_dtypes
 from parallelisms.decoder import AssemblyConfig, assemble_model
 from parallelisms.parallel_dims import ParallelDims
@@ -72,6 +74,7 @@ class Plan:
     reduce_dtype: torch.dtype
     ranks: list[RankMemory]
     activation_formula: str
+    optimizer: str = "AdamW"  # optimizer.name: AdamW/Adam 2 states, Muon 1 per matrix
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -116,9 +119,10 @@ def gathered_elements(module: nn.Module | None) -> int:
     return sum(_local(p).numel() * _dp_factor(p) for p in module.parameters())
 
 
-def state_bytes(part: nn.Module) -> tuple[int, int, int, int]:
-    """(local parameter elements, parameter, gradient, AdamW-state bytes) one rank holds
-    for `part` after a step, read from the parallelized module itself.
+def state_bytes(part: nn.Module, muon=None) -> tuple[int, int, int, int]:
+    """(local parameter elements, parameter, gradient, optimizer-state bytes) one rank holds
+    for `part` after a step, read from the parallelized module itself. `muon`: (name,
+    parameter) -> whether Muon holds it (one momentum buffer, no step counter), else AdamW.
 
     FSDP2 / TP / plain: the registered parameters are what the rank keeps (DTensor local
     shards); gradients have the same shape and dtype; AdamW keeps 2 states of each (and a step
@@ -128,6 +132,13 @@ def state_bytes(part: nn.Module) -> tuple[int, int, int, int]:
     as a view of which the optimizer sees one shard), stage 2 only the shard.
     """
     zero = getattr(part, "_zero", None)
+    names = {id(p): canonical_name(n) for n, p in part.named_parameters()}
+
+    def optim(p: torch.Tensor, local: torch.Tensor) -> int:
+        if muon is not None and muon(names.get(id(p), ""), p):
+            return local.numel() * local.element_size()
+        return 2 * local.numel() * local.element_size() + _STEP_BYTES
+
     n_local = param_b = grad_b = optim_b = 0
     if zero is None:
         for p in part.parameters():
@@ -135,7 +146,7 @@ def state_bytes(part: nn.Module) -> tuple[int, int, int, int]:
             n_local += loc.numel()
             param_b += loc.numel() * loc.element_size()
             grad_b += loc.numel() * loc.element_size()
-            optim_b += 2 * loc.numel() * loc.element_size() + _STEP_BYTES
+            optim_b += optim(p, loc)
         return n_local, param_b, grad_b, optim_b
     pdt, rdt = zero.param_dtype.itemsize, zero.reduce_dtype.itemsize
     for p in zero.params:
@@ -154,7 +165,7 @@ def state_bytes(part: nn.Module) -> tuple[int, int, int, int]:
                 grad_b += full * rdt if zero.reduce_dtype == master.dtype else shard * msize
             else:
                 grad_b += shard * msize
-        optim_b += 2 * master.numel() * msize + _STEP_BYTES
+        optim_b += optim(p.master, master)
     return n_local, param_b, grad_b, optim_b
 
 
@@ -200,8 +211,11 @@ def _measure(
     param_bytes, reduce_bytes = (dtype.itemsize for dtype in dtypes)
     n_local = params = grads = optim = working = layers = 0
     has_output = False
+    muon = None
+    if cfg.optimizer.name == "Muon":
+        muon = lambda name, p: is_muon_matrix(spec, name, p.ndim)  # noqa: E731
     for part in parts:
-        n, pb, gb, ob = state_bytes(part)
+        n, pb, gb, ob = state_bytes(part, muon)
         n_local, params, grads, optim = n_local + n, params + pb, grads + gb, optim + ob
         working += fsdp_working_bytes(part, spec, param_bytes, reduce_bytes)
         layers += len(part.layers)
@@ -304,7 +318,7 @@ def simulate(
             out.append(
                 _measure(parts, cfg, model_args, dims, rank, dtypes, spec, scores_stored, specs)
             )
-    return Plan(dims, n_total, *dtypes, out, _activation_formula(scores_stored))
+    return Plan(dims, n_total, *dtypes, out, _activation_formula(scores_stored), cfg.optimizer.name)
 
 
 @contextlib.contextmanager
@@ -364,8 +378,12 @@ def format_plan(plan: Plan, device_memory_gib: float) -> str:
     lines = [
         f"layout: {d.describe()} | params {plan.model_params:,} | compute dtype "
         f"{dtype_name(plan.param_dtype)}, gradient reduction {dtype_name(plan.reduce_dtype)}, "
-        "AdamW (2 fp32 states)",
-        f"{'rank':>6} {'stage':>5} {'layers':>6} {'params':>9} {'grads':>9} {'adamw':>9} "
+        + (
+            "Muon (1 state per matrix, AdamW's 2 for the rest)"
+            if plan.optimizer == "Muon"
+            else "AdamW (2 fp32 states)"
+        ),
+        f"{'rank':>6} {'stage':>5} {'layers':>6} {'params':>9} {'grads':>9} {'optim':>9} "
         f"{'fsdp buf':>9} {'activ.':>9} {'total':>9}  vs {device_memory_gib:g} GiB",
     ]
     for r in plan.ranks:

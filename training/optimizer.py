@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from models import get_model_spec
+from models.contract import is_muon_matrix as muon_matrix
 from models.init_weights import canonical_name
 
 
@@ -51,9 +52,8 @@ def param_groups(model_parts: list[nn.Module], weight_decay: float, no_decay: li
 
 
 def is_muon_matrix(name: str, p: torch.Tensor, spec) -> bool:
-    """Muon's parameters: matrices (stacks of them included) outside the family's embeddings
-    and head modules."""
-    return p.ndim >= 2 and name.split(".")[0] not in (*spec.embeddings, *spec.head)
+    """Muon's parameters (`models.contract.is_muon_matrix`)."""
+    return muon_matrix(spec, name, p.ndim)
 
 
 def build_muon(model_parts, cfg, impl: str, no_decay: list[str], spec):

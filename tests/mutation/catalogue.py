@@ -916,4 +916,12 @@ MUTANTS = [
         "            scale = update_scale(local(p).shape, ",
         (f"{MUON_PARITY}[muon_fsdp2]",),
     ),
+    Mutant(
+        "planner_counts_adamw_for_muon",
+        "the memory planner counts AdamW's two states for Muon's matrices (one momentum buffer)",
+        "planning/simulate.py",
+        "        muon = lambda name, p: is_muon_matrix(spec, name, p.ndim)  # noqa: E731\n",
+        "        muon = None\n",
+        ("tests/unit/test_estimate.py::test_simulated_states_equal_real_tensors_after_a_step",),
+    ),
 ]

@@ -78,7 +78,7 @@ def _real_step(cfg, world: int, tp: int, zero: int, counter: CommCounter | None 
             model = spec.model_cls(tiny_args(cfg))
         model = parallelize_decoder(model, spec, dims, AssemblyConfig.of(cfg), "cpu")
         model = materialize(model, 0, "cpu")
-        opt = build_optimizer([model], cfg.optimizer, "cpu", no_decay_patterns(cfg))
+        opt = build_optimizer([model], cfg.optimizer, "cpu", no_decay_patterns(cfg), spec=spec)
         tokens, labels = torch.randint(0, 4096, (2, 32)), torch.randint(0, 4096, (2, 32))
         with counter if counter is not None else contextlib.nullcontext():
             with loss_parallel() if tp > 1 else contextlib.nullcontext():
@@ -105,6 +105,9 @@ QWEN3_UNTIED = "--model.name qwen3 --model.flavor debugmodel_untied"
         (4, 2, 3, QWEN3_TIED),
         (2, 1, 3, QWEN3_TIED),
         (2, 1, 2, QWEN3_UNTIED),
+        # Muon: one momentum buffer per matrix, AdamW's two states for the rest
+        (2, 1, 3, "--optimizer.name Muon"),
+        (4, 2, 2, "--optimizer.name Muon"),
     ],
 )
 def test_simulated_states_equal_real_tensors_after_a_step(world, tp, zero, model):
