@@ -132,7 +132,7 @@ def state_bytes(part: nn.Module, muon=None) -> tuple[int, int, int, int]:
     as a view of which the optimizer sees one shard), stage 2 only the shard.
     """
     zero = getattr(part, "_zero", None)
-    names = {id(p): canonical_name(n) for n, p in part.named_parameters()}
+    names = {id(p): canonical_name(n) for n, p in part.named_parameters()} if muon else {}
 
     def optim(p: torch.Tensor, local: torch.Tensor) -> int:
         if muon is not None and muon(names.get(id(p), ""), p):

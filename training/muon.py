@@ -11,9 +11,9 @@ Which parameters get Muon: every matrix (2 or more dims) outside the family's `e
 `head` modules (tied copies count as the weight they copy). Embeddings, the output layer,
 norms, biases, sinks and other vectors get AdamW, as in the references. A stacked expert weight
 [E, a, b] is E matrices, each orthogonalised on its own; a family whose stored weight holds
-several logical matrices says so in `ModelSpec.muon_matrices` (gpt-oss's gate_up_proj holds
+several logical matrices says so in `ModelSpec.matrix_layouts` (gpt-oss's gate_up_proj holds
 gate and up columns interleaved) and each is orthogonalised alone. Every other weight is one
-matrix as stored; fused projections (DeepSeek's kv_a_proj_with_mqa) are one matrix there too,
+matrix as stored; fused projections (DeepSeek-V3's wkv_a) are one matrix there too,
 as in Moonlight and torchtitan.
 
 NS needs the whole matrix, which sharded layouts split over ranks; `training.muon_exchange`
@@ -30,6 +30,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from models.contract import MatrixLayout
+from training.muon_exchange import build_shard_groups, exchange_and_orthogonalise
 
 NS_EPS = 1e-7  # torch.optim.Muon's: the norm clamp before the iteration
 
@@ -103,8 +104,6 @@ class MuonWithAdamW(torch.optim.Optimizer):
     id(parameter) -> MatrixLayout for the weights not stored as plain matrices."""
 
     def __init__(self, groups, muon: MuonOptions, *, lr, betas, eps, fused, foreach, layouts):
-        from training.muon_exchange import build_shard_groups
-
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0, "muon": False}
         super().__init__(groups, defaults)
         self.muon, self.fused, self.foreach = muon, fused, foreach
@@ -162,8 +161,6 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 u = g.lerp(b, m.momentum) if m.nesterov else b
                 updates[id(p)] = u if id(p) in self.exchanged else self._ns(u, p)
                 where[id(p)] = (p, group)
-        from training.muon_exchange import exchange_and_orthogonalise
-
         for sg in self.shard_groups:  # every rank of a group, every step, in one order
             missing = [p.shape for p in sg.params if id(p) not in updates]
             if missing:  # a rank without the gradient would leave its group's exchange
@@ -179,6 +176,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
             w.add_(o, alpha=-group["lr"] * scale)
 
     def _adamw_step(self, group: dict) -> None:
+        """torch's functional AdamW (what torch.optim.AdamW.step calls) over the group, with
+        the state torch.optim.AdamW would create."""
         from torch.optim.adamw import adamw
         from torch.optim.optimizer import _get_scalar_dtype
 

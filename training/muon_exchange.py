@@ -11,8 +11,8 @@ second all_to_all returns each rank its pieces of the results.
 Per rank, with W ranks in the group and S bytes of matrices in it, that receives
 2 (W - 1) S / W^2 and computes NS for S / W (`ShardGroup.received` counts it; the run logs
 it); gathering every matrix on every rank would receive (W - 1) S / W and compute NS for all
-of S (W = 2 moves the same bytes and halves the NS work; W = 8 moves a quarter). Tensors go in the NS dtype (bfloat16 by default): the
-iteration's first step casts to it anyway. Where a placement splits only the leading dims of a
+of S (W = 2 moves the same bytes and halves the NS work; W = 8 moves a quarter). Tensors go
+in the NS dtype (bfloat16 by default): the iteration's first step casts to it anyway. Where a placement splits only the leading dims of a
 stacked weight (EP's experts), every rank already holds whole matrices and nothing moves.
 
 Where each rank's piece sits in the whole matrix comes from DTensor's own layout function

@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from models import get_model_spec
-from models.contract import is_muon_matrix as muon_matrix
+from models.contract import is_muon_matrix
 from models.init_weights import canonical_name
 
 
@@ -51,18 +51,14 @@ def param_groups(model_parts: list[nn.Module], weight_decay: float, no_decay: li
     return _groups(list(_trainable(model_parts)), weight_decay, no_decay)
 
 
-def is_muon_matrix(name: str, p: torch.Tensor, spec) -> bool:
-    """Muon's parameters (`models.contract.is_muon_matrix`)."""
-    return muon_matrix(spec, name, p.ndim)
-
-
-def build_muon(model_parts, cfg, impl: str, no_decay: list[str], spec):
-    """Muon on the hidden matrices, AdamW on the rest (`training.muon`)."""
+def build_muon(model_parts, cfg, adamw_kwargs: dict, no_decay: list[str], spec):
+    """Muon on the hidden matrices, AdamW (`adamw_kwargs`: lr, betas, eps, kernel) on the rest
+    (`training.muon`)."""
     from training.muon import MuonOptions, MuonWithAdamW
 
     named = list(_trainable(model_parts))
-    muon = [(n, p) for n, p in named if is_muon_matrix(n, p, spec)]
-    adamw = [(n, p) for n, p in named if not is_muon_matrix(n, p, spec)]
+    muon = [(n, p) for n, p in named if is_muon_matrix(spec, n, p.ndim)]
+    adamw = [(n, p) for n, p in named if not is_muon_matrix(spec, n, p.ndim)]
     layouts = {id(p): layout for n, p in muon for suffix, layout in spec.matrix_layouts.items()
                if canonical_name(n).endswith(suffix)}  # fmt: skip
     options = MuonOptions(
@@ -78,8 +74,7 @@ def build_muon(model_parts, cfg, impl: str, no_decay: list[str], spec):
     groups = _groups(adamw, cfg.weight_decay, no_decay)
     groups += _groups(muon, cfg.weight_decay, no_decay, muon=True, lr=cfg.muon_lr or cfg.lr)
     groups = [g for g in groups if g["params"]]
-    return MuonWithAdamW(groups, options, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                         fused=impl == "fused", foreach=impl == "foreach", layouts=layouts)  # fmt: skip
+    return MuonWithAdamW(groups, options, layouts=layouts, **adamw_kwargs)
 
 
 def _fused_adam_devices() -> tuple[str, ...]:
@@ -109,13 +104,13 @@ def build_optimizer(
         "fused": impl == "fused",
         "foreach": impl == "foreach",
     }
-    groups = param_groups(model_parts, cfg.weight_decay, no_decay)
-    if cfg.name == "Adam":
-        for g in groups:
-            g["weight_decay"] = 0.0
     if cfg.name == "Muon":
-        optimizer = build_muon(model_parts, cfg, impl, no_decay, spec)
+        optimizer = build_muon(model_parts, cfg, kwargs, no_decay, spec)
     else:
+        groups = param_groups(model_parts, cfg.weight_decay, no_decay)
+        if cfg.name == "Adam":
+            for g in groups:
+                g["weight_decay"] = 0.0
         adam = torch.optim.AdamW if cfg.name == "AdamW" else torch.optim.Adam
         optimizer = adam(groups, **kwargs)
     if kwargs["fused"]:

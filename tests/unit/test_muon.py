@@ -14,13 +14,13 @@ import torch
 
 from job_config import ConfigError, parse_args
 from models import get_model_spec
-from models.contract import MatrixLayout
+from models.contract import MatrixLayout, is_muon_matrix
 from models.init_weights import init_weights
 from models.llama3 import ModelArgs, Transformer
 from training.loss import cross_entropy_sum
 from training.muon import newton_schulz, orthogonalise, update_scale
 from training.muon_exchange import Piece, ShardGroup
-from training.optimizer import build_optimizer, is_muon_matrix, no_decay_patterns
+from training.optimizer import build_optimizer, no_decay_patterns
 
 COEF = (3.4445, -4.7750, 2.0315)
 
@@ -60,8 +60,8 @@ def test_one_process_equals_torch_muon_beside_adamw(scale):
                      "--optimizer.muon_lr", "0.02")  # fmt: skip
     spec, o = get_model_spec("llama3"), cfg.optimizer
     named = list(ref.named_parameters())
-    mats = [p for n, p in named if is_muon_matrix(n, p, spec)]
-    muon_names = [n for n, p in named if is_muon_matrix(n, p, spec)]
+    mats = [p for n, p in named if is_muon_matrix(spec, n, p.ndim)]
+    muon_names = [n for n, p in named if is_muon_matrix(spec, n, p.ndim)]
     assert len(mats) == 2 * 7 and all(n.startswith("layers.") for n in muon_names)
     rest = [(n, p) for n, p in named if n not in muon_names]
     no_decay = no_decay_patterns(cfg)
